@@ -1,0 +1,151 @@
+"""A model's HF KV cache over a ragged batch: which token each cache column holds, masks, rollback.
+
+`CacheView` owns one model's `DynamicCache` for the rows of a `RaggedBatch`. Every cache column of
+row i holds the token at some buffer index of that row, or nothing (a hole: left padding, a
+rejected draft, an unused verify slot). From that map it builds the 4-D attention masks and
+position ids itself, so rows can hold holes anywhere and attention (sliding windows included)
+still sees exactly the tokens that plain decoding would. Rolling back a rejected draft turns its
+column into a hole; trailing all-hole columns are cropped, and when holes dominate the cache is
+compacted. The cache always covers a prefix of each row: buffer indices [0, cached_lengths[i]).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+#: Compact when holes exceed this share of the cache columns (and the cache is at least this wide).
+COMPACT_HOLE_SHARE = 0.5
+COMPACT_MIN_COLUMNS = 64
+
+
+def check_attention_implementation(model: PreTrainedModel) -> None:
+    """Raise if the model's attention cannot take the explicit 4-D masks this package builds."""
+    impl = model.config._attn_implementation
+    if impl not in ("sdpa", "eager"):
+        raise ValueError(
+            f"hf_specdec needs attn_implementation 'sdpa' or 'eager' (it passes explicit 4-D masks with holes), "
+            f"but {type(model).__name__} uses {impl!r}: load it with attn_implementation='sdpa'."
+        )
+    layer_types = getattr(model.config, "layer_types", None) or ()
+    unsupported = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+    if unsupported:
+        raise NotImplementedError(
+            f"{type(model).__name__} has layer types {unsupported}, which hf_specdec does not support yet "
+            "(supported: full_attention, sliding_attention)."
+        )
+
+
+class CacheView:
+    """One model's DynamicCache plus the map from cache columns to buffer indices, per row."""
+
+    def __init__(self, model: PreTrainedModel, batch_size: int, pad_lengths: torch.Tensor) -> None:
+        check_attention_implementation(model)
+        self.model = model
+        self.cache = DynamicCache()
+        device = pad_lengths.device
+        self.pad_lengths = pad_lengths.clone()  # [B]
+        self.column_index = torch.empty(batch_size, 0, dtype=torch.long, device=device)  # [B, W], -1 = hole
+        self.cached_lengths = torch.zeros(batch_size, dtype=torch.long, device=device)  # [B]
+        config = model.config.get_text_config()
+        self.layer_types = getattr(config, "layer_types", None)
+        self.sliding_window = getattr(config, "sliding_window", None)
+        self.mask_dtype = model.dtype
+        self.eager = config._attn_implementation == "eager"
+
+    @property
+    def width(self) -> int:
+        return self.column_index.shape[1]
+
+    def forward(
+        self,
+        token_ids: torch.Tensor,  # [B, C] the batch's token buffer
+        num_new: torch.Tensor,  # [B] tokens to feed per row, from cached_lengths[i] on
+        logits_to_keep: int | None = None,
+    ) -> torch.Tensor:  # [B, w, V] float32 logits of the fed positions (w = max(num_new))
+        """Feed each row's next `num_new[i]` tokens through the model, appending them to the cache."""
+        batch_size = token_ids.shape[0]
+        device = token_ids.device
+        width = int(num_new.max().item()) if batch_size else 0
+        offsets = torch.arange(width, device=device)  # [w]
+        index = self.cached_lengths[:, None] + offsets  # [B, w] buffer index of each fed slot
+        valid = offsets < num_new[:, None]  # [B, w]
+        safe_index = index.clamp(max=token_ids.shape[1] - 1)
+        input_ids = torch.where(valid, token_ids.gather(1, safe_index), 0)  # [B, w]
+        real = valid & (index >= self.pad_lengths[:, None])  # left padding stays a hole
+        new_columns = torch.where(real, index, -1)  # [B, w]
+        position_ids = (index - self.pad_lengths[:, None]).clamp(min=0)  # [B, w]
+        keys = torch.cat([self.column_index, new_columns], dim=1)  # [B, W + w]
+        queries = torch.where(valid, index, -1)  # [B, w]
+        mask = self._attention_mask(queries, keys)
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=position_ids,
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=logits_to_keep if logits_to_keep is not None else 0,
+        )
+        self.column_index = keys
+        self.cached_lengths = self.cached_lengths + num_new
+        return outputs.logits.float()
+
+    def _attention_mask(
+        self,
+        queries: torch.Tensor,  # [B, w] buffer index of each query, -1 for unused slots
+        keys: torch.Tensor,  # [B, W + w] buffer index held by each cache column, -1 for holes
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
+        """Explicit masks [B, 1, w, W + w]: a query sees the real keys at or before its own index."""
+        q = queries[:, :, None]  # [B, w, 1]
+        k = keys[:, None, :]  # [B, 1, W + w]
+        allowed = (k >= 0) & (k <= q) & (q >= 0)  # [B, w, W + w]
+        # Every query sees at least its own column, so that unused slots never produce NaNs.
+        width = queries.shape[1]
+        own = torch.zeros_like(allowed)
+        own[:, :, keys.shape[1] - width :] = torch.eye(width, dtype=torch.bool, device=keys.device)
+        masks = {"full_attention": allowed | own}
+        if self.sliding_window is not None:
+            masks["sliding_attention"] = (allowed & (q - k < self.sliding_window)) | own
+        masks = {name: self._to_model_format(m[:, None]) for name, m in masks.items()}
+        if self.layer_types is not None:
+            return {name: masks[name] for name in set(self.layer_types)}
+        return masks["sliding_attention" if self.sliding_window is not None else "full_attention"]
+
+    def _to_model_format(self, allowed: torch.Tensor) -> torch.Tensor:
+        if not self.eager:
+            return allowed
+        blocked = torch.finfo(self.mask_dtype).min
+        return torch.zeros(allowed.shape, dtype=self.mask_dtype, device=allowed.device).masked_fill(~allowed, blocked)
+
+    def rollback(self, cached_lengths: torch.Tensor) -> None:
+        """Keep only buffer indices < cached_lengths[i] ([B]) of each row; crop or compact the holes."""
+        self.cached_lengths = torch.minimum(self.cached_lengths, cached_lengths)
+        keep = (self.column_index >= 0) & (self.column_index < self.cached_lengths[:, None])  # [B, W]
+        self.column_index = torch.where(keep, self.column_index, -1)
+        used = keep.any(0).nonzero()
+        new_width = int(used.max().item()) + 1 if used.numel() else 0
+        if new_width < self.width:
+            self.cache.crop(new_width - self.width)
+            self.column_index = self.column_index[:, :new_width]
+            keep = keep[:, :new_width]
+        if self.width >= COMPACT_MIN_COLUMNS and (~keep).float().mean().item() > COMPACT_HOLE_SHARE:
+            self.compact(keep)
+
+    def compact(self, keep: torch.Tensor) -> None:
+        """Gather each row's real columns to the right end of a narrower cache (holes move left)."""
+        new_width = int(keep.sum(1).max().item())
+        order = torch.sort(keep.to(torch.int8), dim=1, stable=True).indices[:, self.width - new_width :]  # [B, W']
+        self.column_index = self.column_index.gather(1, order)
+        for layer in self.cache.layers:
+            if not getattr(layer, "is_initialized", False) or layer.keys is None or layer.keys.numel() == 0:
+                continue
+            index = order[:, None, :, None].to(layer.keys.device)  # [B, 1, W', 1]
+            layer.keys = layer.keys.gather(2, index.expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3]))
+            layer.values = layer.values.gather(2, index.expand(-1, layer.values.shape[1], -1, layer.values.shape[3]))
+
+    def select_rows(self, keep: torch.Tensor) -> None:
+        """Keep only rows `keep` ([B'] indices) in the cache and the maps."""
+        self.cache.batch_select_indices(keep)
+        self.column_index = self.column_index[keep]
+        self.cached_lengths = self.cached_lengths[keep]
+        self.pad_lengths = self.pad_lengths[keep]

@@ -1,0 +1,65 @@
+"""The proposer interface: what every drafting method (n-gram, draft model, MTP, Top-1) implements.
+
+A proposer sees the ragged batch (`hf_specdec.batch.RaggedBatch`) and returns, per row, up to k
+draft tokens (`Proposal`). The decoding loop calls `prefill` once, then per step `propose`, then
+`commit` with what the target accepted, and `select_rows` when finished rows leave the batch.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from hf_specdec.batch import RaggedBatch
+    from hf_specdec.sampling.processors import StepSampling
+
+
+@dataclass
+class Proposal:
+    """Drafts for one step of a batch of B rows (k = draft_token_ids.shape[1])."""
+
+    draft_token_ids: torch.Tensor  # [B, k] int64, -1 past num_draft_tokens
+    num_draft_tokens: torch.Tensor  # [B] int64 in 0..k
+    draft_probs: torch.Tensor | None = None  # [B, k, V] float32, or None for one-hot drafts
+
+    @classmethod
+    def empty(cls, batch_size: int, device: torch.device) -> "Proposal":
+        """A proposal with no drafts for any row (k = 0)."""
+        return cls(
+            draft_token_ids=torch.empty(batch_size, 0, dtype=torch.long, device=device),
+            num_draft_tokens=torch.zeros(batch_size, dtype=torch.long, device=device),
+        )
+
+
+class Proposer(ABC):
+    """Base class of all proposers. Subclasses keep whatever per-row state they need."""
+
+    #: True when the proposer returns draft probabilities (needed for exact speculative sampling
+    #: with a stochastic draft); False for one-hot drafts (n-gram, greedy argmax drafts).
+    returns_probs: bool = False
+
+    def prefill(self, batch: "RaggedBatch", sampling: "StepSampling") -> None:  # noqa: B027
+        """Called once after the target's prefill, before the first `propose`."""
+
+    @abstractmethod
+    def propose(
+        self,
+        batch: "RaggedBatch",
+        max_draft_tokens: torch.Tensor,  # [B] int64, 0..k: row i may draft at most this many
+        sampling: "StepSampling",
+    ) -> Proposal:
+        """Return up to max_draft_tokens[i] drafts for each row i of the batch."""
+
+    def commit(self, batch: "RaggedBatch", num_accepted: torch.Tensor) -> None:  # noqa: B027
+        """Called after the step was committed (batch.lengths already include the new tokens).
+
+        num_accepted [B] int64: drafts of this step that the target accepted, per row.
+        Stateful proposers roll their caches back to what the sequences now hold.
+        """
+
+    def select_rows(self, keep: torch.Tensor) -> None:  # noqa: B027
+        """Keep only rows `keep` ([B'] int64 indices into the current batch): the others finished."""

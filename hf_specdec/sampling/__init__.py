@@ -1,0 +1,1 @@
+"""Sampling: the rejection sampler (torch reference and Triton kernels), random draws, processors."""

@@ -1,0 +1,107 @@
+"""`generate`'s stopping rules, applied token by token inside each row's accepted block.
+
+Plain `generate` checks its `StoppingCriteriaList` after every token, on the whole `input_ids`.
+A speculative step appends several tokens per row at once, so each new token is checked with the
+row's prefix up to that token: EOS and max length vectorised, any other criterion (stop strings,
+user criteria, max time) called once per distinct prefix length. A row stops at its first hit.
+As in `generate`: with an EOS criterion a stopped row is finished and padded with `pad_token_id`;
+without one, stopped rows keep generating real tokens until every row has stopped.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
+
+from hf_specdec.batch import RaggedBatch
+
+
+class StopRules:
+    """Stopping state of the rows of one call (the live rows, in batch order)."""
+
+    def __init__(self, criteria: StoppingCriteriaList, pad_token_id: int | None, max_length: int, batch_size: int):
+        self.max_length = max_length
+        self.pad_token_id = pad_token_id
+        self.has_eos = any(hasattr(c, "eos_token_id") for c in criteria)
+        eos = [c.eos_token_id for c in criteria if isinstance(c, EosTokenCriteria)]
+        self.eos_token_ids = torch.cat([e.reshape(-1) for e in eos]) if eos else None  # [E]
+        self.max_lengths = [c.max_length for c in criteria if isinstance(c, MaxLengthCriteria)]
+        general = [c for c in criteria if not isinstance(c, (EosTokenCriteria, MaxLengthCriteria))]
+        self.general = StoppingCriteriaList(general)
+        self.stopped = torch.zeros(batch_size, dtype=torch.bool)  # [B]
+        self.max_stop_length = 0  # longest stop length of any row so far (final width without EOS)
+        if self.has_eos and pad_token_id is None:
+            raise ValueError("An EOS stopping criterion needs a pad_token_id for finished rows; set pad_token_id.")
+
+    def select_rows(self, keep: torch.Tensor) -> None:
+        self.stopped = self.stopped[keep.to(self.stopped.device)]
+
+    def apply(self, batch: RaggedBatch, num_emitted: torch.Tensor) -> torch.Tensor:  # [B] tokens to keep
+        """Find each row's first stop among its `num_emitted` new tokens (already in the buffer)."""
+        device = batch.device
+        self.stopped = self.stopped.to(device)
+        width = int(num_emitted.max().item()) if batch.batch_size else 0
+        offsets = torch.arange(width, device=device)  # [w]
+        fresh = (offsets < num_emitted[:, None]) & ~self.stopped[:, None]  # [B, w] new tokens still checked
+        index = (batch.lengths[:, None] + offsets).clamp(max=batch.capacity - 1)  # [B, w]
+        hit = torch.zeros_like(fresh)  # [B, w]: the row stops right after this token
+        if self.eos_token_ids is not None:
+            new_tokens = batch.token_ids.gather(1, index)
+            hit |= torch.isin(new_tokens, self.eos_token_ids.to(device))
+        for max_length in self.max_lengths:
+            hit |= index + 1 >= max_length
+        hit &= fresh
+        if len(self.general) > 0:
+            hit |= self._general_hits(batch, fresh & ~_after_first(hit), index)
+        any_hit = hit.any(1)
+        first = hit.float().argmax(1)  # [B] offset of the first hit
+        stop_lengths = batch.lengths + first + 1
+        if any_hit.any():
+            self.max_stop_length = max(self.max_stop_length, int(stop_lengths[any_hit].max().item()))
+        self.stopped = self.stopped | any_hit
+        if self.has_eos:
+            return torch.where(any_hit, first + 1, num_emitted)
+        return num_emitted
+
+    def _general_hits(self, batch: RaggedBatch, check: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """Run the other criteria once per distinct prefix length over the (row, offset) pairs in `check`."""
+        hit = torch.zeros_like(check)
+        prefix = torch.where(check, index + 1, -1)  # [B, w] prefix length that ends with the token
+        for length in torch.unique(prefix[check]).tolist():
+            rows, cols = (prefix == length).nonzero(as_tuple=True)
+            done = self.general(batch.token_ids[rows, :length], None)
+            hit[rows, cols] = done.to(hit.device)
+            # Rows that stopped here must not be stopped again later in their block: earliest hit wins anyway.
+        return hit
+
+    def done(self, batch: RaggedBatch) -> torch.Tensor:  # [B] rows that can leave the batch
+        stopped = self.stopped.to(batch.device)
+        if self.has_eos:
+            return stopped
+        if not bool(stopped.all()):
+            return torch.zeros_like(stopped)
+        return batch.lengths >= self.max_stop_length
+
+    def final_length(self, final_lengths: torch.Tensor, batch: RaggedBatch) -> int:
+        """Width of the output rows (prompt included), or max_length while it is not known yet."""
+        if batch.batch_size and (self.has_eos or not bool(self.stopped.all())):
+            return self.max_length
+        if self.has_eos:
+            return int(final_lengths.max().item())
+        return self.max_stop_length
+
+    def pad_finished(
+        self, block: torch.Tensor, final_lengths: torch.Tensor, start: int, live: dict[int, int]
+    ) -> torch.Tensor:
+        """Columns [start, start + width) of the output rows: finished rows get pad after their end."""
+        if not self.has_eos:
+            return block
+        columns = start + torch.arange(block.shape[1], device=block.device)  # [n]
+        past_end = columns[None, :] >= final_lengths.to(block.device)[:, None]  # [B_total, n]
+        for row in live:
+            past_end[row] = False
+        return block.masked_fill(past_end, self.pad_token_id)
+
+
+def _after_first(hit: torch.Tensor) -> torch.Tensor:  # [B, w] True strictly after each row's first hit
+    return (hit.long().cumsum(1) - hit.long()) > 0

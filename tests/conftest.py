@@ -1,0 +1,126 @@
+"""Shared fixtures: tiny random HF models built from configs (no downloads), prompts, marks."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    GemmaConfig,
+    GPT2Config,
+    LlamaConfig,
+    MistralConfig,
+    Phi3Config,
+    Qwen3Config,
+)
+
+VOCAB = 96
+EOS_ID = 2
+PAD_ID = 0
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def _common(vocab: int, layers: int, hidden: int) -> dict:
+    return dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+        initializer_range=0.4,
+    )
+
+
+def make_config(arch: str, vocab: int = VOCAB, layers: int = 2, hidden: int = 64, **overrides):
+    """A tiny config of one of the architectures the tests cover."""
+    if arch == "llama":
+        config = LlamaConfig(**_common(vocab, layers, hidden), tie_word_embeddings=False)
+    elif arch == "qwen3":
+        config = Qwen3Config(**_common(vocab, layers, hidden), head_dim=16, tie_word_embeddings=True)
+    elif arch == "mistral":
+        config = MistralConfig(**_common(vocab, layers, hidden), sliding_window=8)
+    elif arch == "gemma":
+        config = GemmaConfig(**_common(vocab, layers, hidden), head_dim=16)
+    elif arch == "phi3":
+        config = Phi3Config(**_common(vocab, layers, hidden))
+    elif arch == "gpt2":
+        config = GPT2Config(
+            vocab_size=vocab,
+            n_embd=hidden,
+            n_layer=layers,
+            n_head=4,
+            n_positions=512,
+            bos_token_id=1,
+            eos_token_id=EOS_ID,
+            pad_token_id=PAD_ID,
+            initializer_range=0.4,
+        )
+    else:
+        raise ValueError(f"unknown test architecture {arch!r}")
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return config
+
+
+ARCHS = ("llama", "qwen3", "mistral", "gpt2", "gemma", "phi3")
+
+
+def make_model(arch: str = "llama", seed: int = 0, **overrides) -> torch.nn.Module:
+    """A tiny random causal LM (fp32, eval mode, sdpa) with a fixed seed."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(make_config(arch, **overrides), attn_implementation="sdpa")
+    model.generation_config.pad_token_id = PAD_ID
+    model.generation_config.eos_token_id = EOS_ID
+    return model.eval()
+
+
+def make_prompts(
+    batch_size: int, vocab: int = VOCAB, min_len: int = 3, max_len: int = 12, seed: int = 0, repetitive: bool = True
+) -> dict[str, torch.Tensor]:
+    """A left-padded batch of random prompts of different lengths (repetitive so n-gram lookup finds matches)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(min_len, max_len + 1, (batch_size,), generator=g).tolist()
+    width = max(lengths)
+    input_ids = torch.full((batch_size, width), PAD_ID, dtype=torch.long)
+    attention_mask = torch.zeros(batch_size, width, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        if repetitive:
+            motif = torch.randint(3, vocab, (max(2, n // 3),), generator=g)
+            row = motif.repeat(n // len(motif) + 1)[:n]
+        else:
+            row = torch.randint(3, vocab, (n,), generator=g)
+        input_ids[i, width - n :] = row
+        attention_mask[i, width - n :] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+@pytest.fixture(scope="session")
+def llama() -> torch.nn.Module:
+    return make_model("llama", seed=0)
+
+
+@pytest.fixture(scope="session")
+def llama_draft() -> torch.nn.Module:
+    return make_model("llama", seed=1, layers=1, hidden=32)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "slow: loads the real SmolLM2 model or runs long; CI runs them too")
+    config.addinivalue_line("markers", "requires_cuda: needs a CUDA GPU; skipped without one")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "requires_cuda" in item.keywords:
+            item.add_marker(skip)
