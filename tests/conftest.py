@@ -124,3 +124,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "requires_cuda" in item.keywords:
             item.add_marker(skip)
+
+
+def make_noisy_copy(model: torch.nn.Module, noise: float = 0.05, seed: int = 7) -> torch.nn.Module:
+    """A draft that agrees with `model` most of the time: its weights plus Gaussian noise (ragged acceptance)."""
+    import copy
+
+    g = torch.Generator().manual_seed(seed)
+    draft = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * noise * p.abs().mean())
+    return draft.eval()
+
+
+def spec_generate(model, inputs: dict, spec, **kwargs):
+    """model.generate through hf_specdec's custom_generate entry."""
+    import hf_specdec
+
+    return model.generate(**inputs, custom_generate=hf_specdec.generate, spec_decoder=spec, **kwargs)

@@ -1,0 +1,129 @@
+"""Prompts for the CLI, demo and benchmarks: built-in demo prompts, JSONL prompt files, chat formatting, batching.
+
+A prompt file is JSON Lines with either a ``prompt`` field or Spec-Bench's ``turns`` list (the first turn is used),
+plus optional ``category`` and ``question_id``. `format_prompt` applies the tokenizer's chat template when it has
+one, and `encode_batch` left-pads a batch the way `model.generate` wants it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["DEMO_PROMPTS", "Prompt", "encode_batch", "format_prompt", "read_prompts"]
+
+
+@dataclass
+class Prompt:
+    """One user prompt: its text, its category (``"default"`` when the file has none) and an id."""
+
+    text: str
+    category: str = "default"
+    question_id: str | int | None = None
+
+
+_ARTICLE = (
+    "The city council met on Tuesday to discuss the new bike lanes on Main Street. "
+    "Supporters said the lanes would make cycling safer and reduce traffic. "
+    "Shop owners worried that removing parking spaces would hurt their business. "
+    "The council voted five to two to build the lanes, and construction will start in March."
+)
+_CODE = (
+    "def total_price(items):\n"
+    "    total = 0\n"
+    "    for item in items:\n"
+    "        total = total + item['price'] * item['quantity']\n"
+    "    return total\n"
+)
+
+#: The demo's built-in prompts: a summary that copies from its input, a code edit and a chat answer.
+DEMO_PROMPTS: list[Prompt] = [
+    Prompt(
+        f"Summarize this article in two sentences, reusing its own wording:\n\n{_ARTICLE}",
+        category="summary",
+        question_id="summary",
+    ),
+    Prompt(
+        f"Rename the function total_price to compute_total and add a docstring. Return the full code.\n\n{_CODE}",
+        category="code-edit",
+        question_id="code-edit",
+    ),
+    Prompt("What are three simple tips for staying focused while studying?", category="chat", question_id="chat"),
+]
+
+
+def read_prompts(path: str | Path, categories: list[str] | None = None, limit: int | None = None) -> list[Prompt]:
+    """Read prompts from a JSONL file.
+
+    Args:
+        path (`str` or `Path`): JSON Lines; each object has ``prompt`` (a string) or ``turns`` (a list of strings,
+            the first is used), and optionally ``category`` and ``question_id``.
+        categories (`list[str]`, *optional*): keep only these categories (checked against the file's categories).
+        limit (`int`, *optional*): keep at most this many prompts per category.
+
+    Returns:
+        `list[Prompt]`, in file order.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(
+            f"Prompt file {str(path)!r} does not exist: pass a JSONL file with a 'prompt' or 'turns' field."
+        )
+    prompts: list[Prompt] = []
+    with path.open(encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(
+                    f"{path}:{lineno} is not valid JSON ({err.msg}): each line must be one object."
+                ) from err
+            if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
+                text = obj["prompt"]
+            elif isinstance(obj, dict) and isinstance(obj.get("turns"), list) and obj["turns"]:
+                text = str(obj["turns"][0])
+            else:
+                raise ValueError(
+                    f"{path}:{lineno} has neither a 'prompt' string nor a non-empty 'turns' list: "
+                    'write lines like {"prompt": "..."} or {"turns": ["..."], "category": "..."}.'
+                )
+            prompts.append(Prompt(text, str(obj.get("category", "default")), obj.get("question_id", lineno)))
+    if categories:
+        known = sorted({p.category for p in prompts})
+        unknown = [c for c in categories if c not in known]
+        if unknown:
+            raise ValueError(f"--categories {','.join(unknown)} not found in {path}: pass some of {','.join(known)}.")
+        prompts = [p for p in prompts if p.category in categories]
+    if limit is not None:
+        counts: dict[str, int] = {}
+        kept = []
+        for p in prompts:
+            counts[p.category] = counts.get(p.category, 0) + 1
+            if counts[p.category] <= limit:
+                kept.append(p)
+        prompts = kept
+    if not prompts:
+        raise ValueError(f"No prompts left from {path}: check --categories / --limit.")
+    return prompts
+
+
+def format_prompt(tokenizer: Any, text: str) -> str:
+    """Wrap `text` as a single user turn with the tokenizer's chat template, or return it unchanged if it has none."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        )
+    return text
+
+
+def encode_batch(tokenizer: Any, texts: list[str], device: Any = "cpu") -> dict[str, Any]:
+    """Chat-format and left-pad `texts` into ``input_ids`` / ``attention_mask`` tensors on `device`."""
+    formatted = [format_prompt(tokenizer, t) for t in texts]
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    # A chat template already inserts the special tokens it needs.
+    enc = tokenizer(formatted, return_tensors="pt", padding=True, add_special_tokens=not has_template)
+    return {k: v.to(device) for k, v in enc.items() if k in ("input_ids", "attention_mask")}

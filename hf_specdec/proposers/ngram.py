@@ -1,0 +1,108 @@
+"""N-gram prompt-lookup proposer: drafts copied from earlier in each row's own context.
+
+Each step the batch's tokens are copied to the host once and searched by the numba kernel in
+`hf_specdec.proposers.ngram_search` (largest matching n-gram, most recent occurrence). Drafts are one-hot
+(no probabilities), so exact speculative sampling treats them as a deterministic draft. The proposer keeps
+no state between steps: `prefill`, `commit` and `select_rows` are no-ops.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from hf_specdec.proposers.base import Proposal, Proposer
+from hf_specdec.proposers.ngram_search import ngram_search
+
+if TYPE_CHECKING:
+    from hf_specdec.batch import RaggedBatch
+    from hf_specdec.sampling.processors import StepSampling
+
+__all__ = ["NgramProposer"]
+
+
+class NgramProposer(Proposer):
+    """
+    Prompt-lookup ("n-gram") drafting: look the last n tokens of each row up earlier in the same row and
+    propose the tokens that followed the most recent occurrence, preferring the largest n.
+
+    The returned `Proposal.draft_token_ids` is trimmed to the largest number of drafts any row actually got
+    this step (between 0 and `num_speculative_tokens`), so steps where few rows match verify a narrower block.
+
+    Args:
+        num_speculative_tokens (`int`):
+            Maximum number of draft tokens per row and step (k).
+        prompt_lookup_min (`int`, *optional*, defaults to 1):
+            Smallest n-gram size that counts as a match.
+        prompt_lookup_max (`int`, *optional*, defaults to 4):
+            Largest n-gram size tried.
+    """
+
+    returns_probs: bool = False
+
+    def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int = 1, prompt_lookup_max: int = 4):
+        if num_speculative_tokens < 1:
+            raise ValueError(
+                f"`num_speculative_tokens` must be >= 1, got {num_speculative_tokens}; it is the number of "
+                "draft tokens proposed per step (typical values: 3-10)."
+            )
+        if prompt_lookup_min < 1:
+            raise ValueError(
+                f"`prompt_lookup_min` must be >= 1, got {prompt_lookup_min}; use 1 to allow single-token matches."
+            )
+        if prompt_lookup_max < prompt_lookup_min:
+            raise ValueError(
+                f"`prompt_lookup_max` must be >= `prompt_lookup_min`, got prompt_lookup_max={prompt_lookup_max} "
+                f"and prompt_lookup_min={prompt_lookup_min}."
+            )
+        self.num_speculative_tokens = int(num_speculative_tokens)
+        self.prompt_lookup_min = int(prompt_lookup_min)
+        self.prompt_lookup_max = int(prompt_lookup_max)
+
+    def propose(
+        self,
+        batch: RaggedBatch,
+        max_draft_tokens: torch.Tensor,  # [B] int64, 0..k
+        sampling: StepSampling,
+    ) -> Proposal:
+        """
+        Search every row of `batch` for a repeated n-gram and return its continuation as drafts.
+
+        `sampling` is ignored: drafts are one-hot (`draft_probs=None`). Two device-to-host copies per step:
+        the per-row metadata (lengths, left padding, draft budget: one `[3, B]` tensor) and the token buffer
+        up to the longest row (`[B, max(lengths)]`).
+
+        Args:
+            batch ([`RaggedBatch`]): The rows still generating.
+            max_draft_tokens (`torch.Tensor` of shape `(B,)`): At most this many drafts for row i.
+            sampling (`StepSampling`): Unused.
+
+        Returns:
+            [`Proposal`]: `draft_token_ids` `[B, k']` (-1 padded) and `num_draft_tokens` `[B]` on `batch.device`,
+            with k' the largest count in the batch (0 when no row matched).
+        """
+        batch_size = batch.batch_size
+        device = batch.device
+        if batch_size == 0:
+            return Proposal.empty(0, device)
+        meta = torch.stack([batch.lengths, batch.pad_lengths, max_draft_tokens.to(batch.lengths.device)])
+        meta = meta.to("cpu", torch.int64).numpy()  # [3, B]
+        ends, starts, num_tokens = meta[0], meta[1], meta[2]
+        width = int(ends.max())
+        if width == 0 or int(num_tokens.max()) <= 0:
+            return Proposal.empty(batch_size, device)
+        token_ids = batch.token_ids[:, :width].to("cpu", torch.int64).contiguous().numpy()  # [B, width]
+        drafts, counts = ngram_search(
+            token_ids,
+            starts,
+            ends,
+            num_tokens,
+            self.prompt_lookup_min,
+            self.prompt_lookup_max,
+            self.num_speculative_tokens,
+        )  # [B, k], [B]
+        k_used = int(counts.max())
+        draft_token_ids = torch.from_numpy(drafts[:, :k_used].copy()).to(device)  # [B, k_used]
+        num_draft_tokens = torch.from_numpy(counts).to(device)  # [B]
+        return Proposal(draft_token_ids=draft_token_ids, num_draft_tokens=num_draft_tokens, draft_probs=None)
