@@ -21,12 +21,32 @@ import torch
 
 from hf_specdec.prompts import Prompt, encode_batch
 
-__all__ = ["METHODS", "BatchResult", "generate_batch", "parse_methods", "plot_speedup", "run_benchmark", "summarize"]
+__all__ = [
+    "METHODS", "BatchResult", "generate_batch", "parse_methods", "plot_speedup", "run_benchmark", "spec_variant",
+    "summarize",
+]  # fmt: skip
 
 #: hf_specdec methods, transformers' stock methods, and the baseline. ``hf-stock`` expands to hf-ngram (+ hf-draft).
+#: Variants of the hf_specdec methods: ``ngram-k4`` (fixed k = 4, overriding ``k``) and ``ngram-adaptive``
+#: (`num_speculative_tokens_schedule="adaptive"`, k in 0..``k``), likewise for ``draft`` and ``mtp``.
 SPEC_METHODS = ("ngram", "draft", "mtp")
 HF_METHODS = ("hf-ngram", "hf-draft")
 METHODS = ("plain", *SPEC_METHODS, *HF_METHODS, "hf-stock")
+
+
+def spec_variant(method: str) -> tuple[str, int | None, str] | None:
+    """``ngram`` -> (ngram, None, constant); ``ngram-k4`` -> (ngram, 4, constant); ``ngram-adaptive`` ->
+    (ngram, None, adaptive); None for a name that is not an hf_specdec method."""
+    base, _, variant = method.partition("-")
+    if base not in SPEC_METHODS:
+        return None
+    if not variant:
+        return base, None, "constant"
+    if variant == "adaptive":
+        return base, None, "adaptive"
+    if variant.startswith("k") and variant[1:].isdigit() and 1 <= int(variant[1:]) <= 32:
+        return base, int(variant[1:]), "constant"
+    return None
 
 
 @dataclass
@@ -49,14 +69,17 @@ class BatchResult:
 def parse_methods(text: str, has_draft: bool) -> list[str]:
     """Parse ``--methods a,b,c``: check the names, expand ``hf-stock``, put ``plain`` first (added if missing)."""
     names = [m.strip() for m in text.split(",") if m.strip()]
-    unknown = [m for m in names if m not in METHODS]
+    unknown = [m for m in names if m not in METHODS and spec_variant(m) is None]
     if unknown:
-        raise ValueError(f"--methods: unknown method(s) {','.join(unknown)}; pass a comma list of {','.join(METHODS)}.")
+        raise ValueError(
+            f"--methods: unknown method(s) {','.join(unknown)}; pass a comma list of {','.join(METHODS)} "
+            "(hf_specdec methods also as e.g. ngram-k4 for a fixed k in 1..32, or ngram-adaptive)."
+        )
     out: list[str] = []
     for m in names:
         expanded = (["hf-ngram"] + (["hf-draft"] if has_draft else [])) if m == "hf-stock" else [m]
         out += [e for e in expanded if e not in out]
-    if not has_draft and any(m in ("draft", "hf-draft") for m in out):
+    if not has_draft and any(m == "hf-draft" or m.startswith("draft") for m in out):
         raise ValueError("--methods draft/hf-draft need a draft model: pass --draft ID_OR_PATH (or --tiny).")
     return ["plain"] + [m for m in out if m != "plain"]
 
@@ -138,7 +161,8 @@ def generate_batch(
     Args:
         model, tokenizer: the target model and its tokenizer (left padding).
         texts (`list[str]`): user prompts; the chat template is applied when the tokenizer has one.
-        method (`str`): ``plain``, ``ngram``, ``draft``, ``mtp``, ``hf-ngram`` or ``hf-draft``. The ``hf-*``
+        method (`str`): ``plain``, ``ngram``, ``draft``, ``mtp`` (or a variant: ``ngram-k4``, ``ngram-adaptive``),
+            ``hf-ngram`` or ``hf-draft``. The ``hf-*``
             methods are transformers' own and run one row at a time (transformers supports batch size 1 only).
         max_new_tokens, k, draft_model, prompt_lookup_min, prompt_lookup_max: the same settings for every method.
         do_sample, temperature, top_p, seed: sampling settings (``seed`` seeds hf_specdec's `SpecDecoder` and
@@ -183,11 +207,17 @@ def generate_batch(
                 draft_model.generation_config.assistant_confidence_threshold = 0.0
                 with _hook_removed():
                     out = model.generate(**enc, **gen_kwargs, assistant_model=draft_model, streamer=streamer)
-            elif method in SPEC_METHODS:
-                spec_kwargs: dict[str, Any] = {"method": method, "num_speculative_tokens": k, "seed": seed}
-                if method == "draft":
+            elif (variant := spec_variant(method)) is not None:
+                base, fixed_k, schedule = variant
+                spec_kwargs: dict[str, Any] = {
+                    "method": base,
+                    "num_speculative_tokens": fixed_k or k,
+                    "num_speculative_tokens_schedule": schedule,
+                    "seed": seed,
+                }
+                if base == "draft":
                     spec_kwargs["draft_model"] = draft_model
-                if method == "ngram":
+                if base == "ngram":
                     spec_kwargs.update(prompt_lookup_min=prompt_lookup_min, prompt_lookup_max=prompt_lookup_max)
                 spec = hf_specdec.SpecDecoder(**spec_kwargs)
                 out = model.generate(

@@ -74,7 +74,8 @@ class CacheView:
         input_ids = torch.where(valid, token_ids.gather(1, safe_index), 0)  # [B, w]
         real = valid & (index >= self.pad_lengths[:, None])  # left padding stays a hole
         new_columns = torch.where(real, index, -1)  # [B, w]
-        position_ids = (index - self.pad_lengths[:, None]).clamp(min=0)  # [B, w]
+        # Unused slots get position 0: a row fed nothing may sit past a learned-position model's limit.
+        position_ids = torch.where(valid, (index - self.pad_lengths[:, None]).clamp(min=0), 0)  # [B, w]
         keys = torch.cat([self.column_index, new_columns], dim=1)  # [B, W + w]
         queries = torch.where(valid, index, -1)  # [B, w]
         mask = self._attention_mask(queries, keys)

@@ -232,7 +232,7 @@ def _cmd_bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
         parser.error(str(err))
     categories = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
     prompts = read_prompts(args.prompts, categories=categories, limit=args.limit)
-    needs_draft = any(m in ("draft", "hf-draft") for m in methods)
+    needs_draft = any(m == "hf-draft" or m.startswith("draft") for m in methods)
     model, tokenizer, draft = _load_models(parser, args, need_draft=needs_draft)
     settings = {"max_new_tokens": args.max_new_tokens, "k": args.k, "draft_model": draft, **_sampling_settings(args)}
     results = run_benchmark(model, tokenizer, prompts, methods, batch_size=args.batch_size,

@@ -12,8 +12,9 @@ from typing import Any
 
 from hf_specdec.metrics import SpecDecodeStats
 
-METHODS = ("draft", "ngram")
+METHODS = ("draft", "ngram", "mtp")
 MAX_SPECULATIVE_TOKENS = 32
+SCHEDULES = ("constant", "heuristic", "heuristic_transient", "adaptive")
 
 
 @dataclass(kw_only=True)
@@ -22,19 +23,47 @@ class SpecDecoder:
 
     Args:
         method (`str`, *optional*):
-            `"draft"` (a smaller causal LM sharing the target's tokenizer) or `"ngram"` (prompt lookup in
-            the row's own tokens). Defaults to `"draft"` when `draft_model` is given, else `"ngram"`.
+            `"draft"` (a smaller causal LM sharing the target's tokenizer), `"ngram"` (prompt lookup in
+            the row's own tokens) or `"mtp"` (the target's own multi-token-prediction layers, for models whose
+            config has `num_mtp_layers`). Defaults to `"draft"` when `draft_model` is given, else `"ngram"`.
         draft_model (`PreTrainedModel`, *optional*):
             The draft model for `method="draft"`. It must have the target's vocabulary and sit on the
             target's device.
+        mtp_model (`MtpModel`, *optional*):
+            The MTP layers for `method="mtp"` (`transformers.modeling_layers.MtpModel`). By default they are
+            loaded once from the target's checkpoint with `MtpModel.from_pretrained(target)` and reused.
         num_speculative_tokens (`int`, defaults to 5):
-            Draft tokens per step, k, in 1..32.
+            Draft tokens per step, k, in 1..32 (the largest k with `num_speculative_tokens_schedule="adaptive"`,
+            the starting k with the heuristic schedules).
+        num_speculative_tokens_schedule (`str`, defaults to `"constant"`):
+            How many drafts each row gets per step:
+            - `"constant"`: k every step (fewer only near `max_length` or the draft's position limit).
+            - `"adaptive"`: per row and step, the k in 0..num_speculative_tokens that maximises expected tokens
+              per second, from the row's measured acceptance and the step times measured online on this device
+              (`hf_specdec.adaptive`). Speculation switches itself off (k = 0, plain decoding through the same
+              loop) where it does not pay: use it when you want never to be slower than plain decoding.
+            - `"heuristic"`: HF's schedule, per row: +2 after a step whose drafts were all accepted, else -1 (at
+              least 1, at most 32). The final k is written back to `num_speculative_tokens` (and to the draft's
+              `generation_config.num_assistant_tokens`), so it persists across calls like HF's.
+            - `"heuristic_transient"`: the same, restarting from `num_speculative_tokens` every call.
+        draft_confidence_threshold (`float`, *optional*):
+            HF's `assistant_confidence_threshold` (method `"draft"` only): a row stops drafting after a draft token
+            whose draft probability is below it, and the threshold is re-fit after each step to the accepted /
+            rejected history (HF's ROC rule). `None` or 0 turns it off.
+        max_draft_len (`int`, *optional*):
+            Rows whose length (prompt + generated, padding excluded) plus drafts would reach this stop speculating
+            and decode one token per step. A draft model's own `max_position_embeddings` always applies too.
         prompt_lookup_min (`int`, defaults to 1), prompt_lookup_max (`int`, defaults to 4):
             The n-gram sizes searched by `method="ngram"`, longest first.
-        seed (`int`, *optional*):
-            Seed of the sampling draws. Row i of a batch uses `seed + i`, so a row's output depends only
-            on its seed and its prompt. Without a seed, seeds are drawn from torch's global generator
-            (so `torch.manual_seed` makes runs reproducible).
+        seed (`int` or `list[int]`, *optional*):
+            Seed of the sampling draws, each in 0..2**63 - 1. An int gives row i of a batch the seed
+            `seed + i`; a list gives one seed per row (its length must be the batch size), so the same
+            request can keep its seed at any position of any batch. A row's output depends only on its
+            seed and its prompt, never on the other rows (with the `"constant"` or `"heuristic_transient"`
+            schedule and no `draft_confidence_threshold`; the others choose draft lengths from measured
+            step times, earlier calls or the whole batch's history, which changes the draws but never the
+            distribution). Without a seed, seeds are drawn from torch's global generator (so
+            `torch.manual_seed` makes runs reproducible).
         tokenizer (`PreTrainedTokenizerBase`, *optional*):
             Needed for `stop_strings`; `generate` does not forward its `tokenizer` to custom decoders.
         streamer (`BaseStreamer`, *optional*):
@@ -43,10 +72,14 @@ class SpecDecoder:
 
     method: str | None = None
     draft_model: Any = None
+    mtp_model: Any = None
     num_speculative_tokens: int = 5
+    num_speculative_tokens_schedule: str = "constant"
+    draft_confidence_threshold: float | None = None
+    max_draft_len: int | None = None
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
-    seed: int | None = None
+    seed: int | list[int] | None = None
     tokenizer: Any = None
     streamer: Any = None
     last_stats: SpecDecodeStats | None = field(default=None, init=False, repr=False, compare=False)
@@ -61,6 +94,11 @@ class SpecDecoder:
                 "SpecDecoder(method='draft') needs a draft model: pass draft_model=AutoModelForCausalLM..., "
                 "or use method='ngram' for prompt lookup without a draft."
             )
+        if self.method != "mtp" and self.mtp_model is not None:
+            raise ValueError(
+                f"SpecDecoder(method={self.method!r}) was also given an mtp_model, which only method='mtp' uses: "
+                "drop mtp_model, or use method='mtp'."
+            )
         if self.method != "draft" and self.draft_model is not None:
             raise ValueError(
                 f"SpecDecoder(method={self.method!r}) was also given a draft_model, which that method would ignore: "
@@ -72,22 +110,71 @@ class SpecDecoder:
                 f"num_speculative_tokens must be an int in 1..{MAX_SPECULATIVE_TOKENS}, got {k!r}: "
                 "typical values are 3-8 (more only pays when nearly every draft is accepted)."
             )
+        self._check_schedule_options()
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if not isinstance(lo, int) or not isinstance(hi, int) or lo < 1 or hi < lo:
             raise ValueError(
                 f"prompt_lookup_min/prompt_lookup_max must be ints with 1 <= min <= max, got min={lo!r}, max={hi!r}."
             )
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
-            raise ValueError(f"seed must be a non-negative int or None, got {self.seed!r}.")
+        self._check_seed()
+
+    @property
+    def max_speculative_tokens(self) -> int:
+        """The most drafts any row may get in one step (the heuristic schedules may grow k up to 32)."""
+        if self.num_speculative_tokens_schedule.startswith("heuristic"):
+            return MAX_SPECULATIVE_TOKENS
+        return self.num_speculative_tokens
+
+    def _check_schedule_options(self) -> None:
+        if self.num_speculative_tokens_schedule not in SCHEDULES:
+            raise ValueError(
+                f"num_speculative_tokens_schedule must be one of {SCHEDULES}, got "
+                f"{self.num_speculative_tokens_schedule!r}: use 'adaptive' to let hf_specdec pick k per row from "
+                "measured acceptance and costs, or 'constant' for a fixed k."
+            )
+        threshold = self.draft_confidence_threshold
+        if threshold is not None:
+            if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold < 1:
+                raise ValueError(
+                    f"draft_confidence_threshold must be a float in [0, 1) or None, got {threshold!r}: HF's default "
+                    "is 0.4; 0 or None turns it off."
+                )
+            if threshold > 0 and self.method != "draft":
+                raise ValueError(
+                    f"draft_confidence_threshold={threshold} only applies to method='draft' (it reads the draft model's "
+                    f"probabilities), but method={self.method!r}: drop draft_confidence_threshold."
+                )
+        limit = self.max_draft_len
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 2):
+            raise ValueError(
+                f"max_draft_len must be an int >= 2 or None, got {limit!r}: it is the sequence length (prompt + "
+                "generated tokens) past which rows stop speculating."
+            )
+
+    def _check_seed(self) -> None:
+        def valid(s: Any) -> bool:
+            return isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 2**63
+
+        if isinstance(self.seed, (list, tuple)):
+            if not self.seed or not all(valid(s) for s in self.seed):
+                raise ValueError(
+                    f"seed must be an int in 0..2**63 - 1, a non-empty list of such ints (one per row), or None; "
+                    f"got the list {list(self.seed)!r}."
+                )
+            self.seed = list(self.seed)
+        elif self.seed is not None and not valid(self.seed):
+            raise ValueError(
+                f"seed must be an int in 0..2**63 - 1, a list of such ints (one per row), or None; got {self.seed!r}."
+            )
 
     def to_dict(self) -> dict[str, Any]:
         """The serialisable settings (model, tokenizer and streamer objects are left out)."""
-        skip = {"draft_model", "tokenizer", "streamer", "last_stats"}
+        skip = {"draft_model", "mtp_model", "tokenizer", "streamer", "last_stats"}
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], **objects: Any) -> "SpecDecoder":
-        """Inverse of `to_dict`; pass `draft_model=`, `tokenizer=`, `streamer=` as keyword arguments."""
+        """Inverse of `to_dict`; pass `draft_model=`, `mtp_model=`, `tokenizer=`, `streamer=` as keyword arguments."""
         known = {f.name for f in fields(cls) if f.init}
         unknown = set(data) - known
         if unknown:

@@ -77,9 +77,13 @@ class SpeculativeLoop:
 
     def run(self) -> LoopOutput:
         start = time.perf_counter()
-        self.prefill()
-        while self.batch.batch_size > 0:
-            self.step()
+        self.proposer.attach(self.model)
+        try:
+            self.prefill()
+            while self.batch.batch_size > 0:
+                self.step()
+        finally:
+            self.proposer.detach()
         self.stats.wall_time_s = time.perf_counter() - start
         return self.finish()
 

@@ -3,8 +3,8 @@
 `generate(model, input_ids, ...)` is called by transformers' own `generate` after it prepared the
 inputs, logits processors and stopping criteria; it validates the call, builds the ragged batch
 and the proposer, runs the speculative loop and returns what plain `generate` would return.
-`install()` wraps `GenerationMixin.generate` so that `spec_decoder=`, `assistant_model=` and
-`prompt_lookup_num_tokens=` route here (with `streamer`, `tokenizer` and `stop_strings` forwarded,
+`install()` wraps `GenerationMixin.generate` so that `spec_decoder=`, `assistant_model=`,
+`prompt_lookup_num_tokens=` and `use_mtp=` route here (with `streamer`, `tokenizer` and `stop_strings` forwarded,
 which transformers does not pass to custom decoders); `uninstall()` puts the original back.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers.generation.logits_process import LogitsProcessorList
-from transformers.generation.stopping_criteria import StopStringCriteria, StoppingCriteriaList
+from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from hf_specdec.batch import RaggedBatch
@@ -25,8 +25,10 @@ from hf_specdec.config import MAX_SPECULATIVE_TOKENS, SpecDecoder
 from hf_specdec.decoding import SpeculativeLoop
 from hf_specdec.metrics import SpecDecodeStats
 from hf_specdec.proposers.base import Proposer
+from hf_specdec.proposers.top1 import Top1Proposer
 from hf_specdec.sampling import random as row_random
 from hf_specdec.sampling.processors import StepSampling
+from hf_specdec.schedules import HeuristicSchedule, SpeculationSchedule
 from hf_specdec.stopping import StopRules
 
 #: model_kwargs that `generate` prepares and this package handles itself.
@@ -75,9 +77,7 @@ def generate(
         streamer.put(input_ids.cpu())
 
     batch = _ragged_batch(input_ids, model_kwargs.get("attention_mask"), generation_config.max_length, spec)
-    seeds = (
-        spec.seed + torch.arange(batch.batch_size) if spec.seed is not None else row_random.random_seeds(batch.batch_size)
-    ).to(batch.device)
+    seeds = row_seeds(spec.seed, batch.batch_size).to(batch.device)
     sampling = StepSampling(processors=logits_processor, do_sample=bool(generation_config.do_sample), seeds=seeds)
     pad = generation_config._pad_token_tensor
     stop_rules = StopRules(
@@ -92,13 +92,14 @@ def generate(
         batch=batch,
         sampling=sampling,
         stop_rules=stop_rules,
-        num_speculative_tokens=spec.num_speculative_tokens,
+        num_speculative_tokens=spec.max_speculative_tokens,
         max_length=generation_config.max_length,
         streamer=streamer,
         output_scores=bool(generation_config.return_dict_in_generate and generation_config.output_scores),
         output_logits=bool(generation_config.return_dict_in_generate and generation_config.output_logits),
     )
     result = loop.run()
+    loop.proposer.finish()
     spec.last_stats = loop.stats
     if generation_config.return_dict_in_generate:
         return SpecDecodeOutput(
@@ -107,16 +108,69 @@ def generate(
     return result.sequences
 
 
-def build_proposer(spec: SpecDecoder, model: PreTrainedModel) -> Proposer:
-    """The proposer that `spec` describes, checked against the target model."""
+def build_proposer(spec: SpecDecoder, model: PreTrainedModel) -> Top1Proposer:
+    """The proposer that `spec` describes, checked against the target model.
+
+    It is always wrapped in a `Top1Proposer`, the one place where per-row draft budgets are decided (the draft's
+    position limit, `max_draft_len`, the k schedule); its cost is a few [B] tensor ops per step.
+    """
+    k = spec.max_speculative_tokens
+    inner: Proposer
     if spec.method == "draft":
         from hf_specdec.proposers.draft_model import DraftModelProposer, check_draft_model
+        from hf_specdec.schedules import ConfidenceThreshold
 
         check_draft_model(model, spec.draft_model)
-        return DraftModelProposer(spec.draft_model, spec.num_speculative_tokens)
-    from hf_specdec.proposers.ngram import NgramProposer
+        threshold = spec.draft_confidence_threshold
+        inner = DraftModelProposer(spec.draft_model, k, ConfidenceThreshold(threshold) if threshold else None)
+    elif spec.method == "mtp":
+        from hf_specdec.proposers.mtp import MTPProposer, resolve_mtp_model
 
-    return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        inner = MTPProposer(model, resolve_mtp_model(model, spec.mtp_model), k)
+    else:
+        from hf_specdec.proposers.ngram import NgramProposer
+
+        inner = NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+    return Top1Proposer(inner, max_draft_len=spec.max_draft_len, schedule=_build_schedule(spec, model))
+
+
+def _build_schedule(spec: SpecDecoder, model: PreTrainedModel) -> SpeculationSchedule | None:
+    schedule = spec.num_speculative_tokens_schedule
+    if schedule == "adaptive":
+        from hf_specdec.adaptive import AdaptiveSchedule
+
+        key = {"draft": f"draft:{id(spec.draft_model)}", "mtp": f"mtp:{id(model)}"}.get(
+            spec.method, f"ngram:{spec.prompt_lookup_min}"
+        )
+        return AdaptiveSchedule(spec.num_speculative_tokens, model, cost_key=key)
+    if schedule.startswith("heuristic"):
+
+        def persist(k: int) -> None:  # HF's "heuristic" keeps the final k for the next call
+            spec.num_speculative_tokens = k
+            if spec.draft_model is not None:
+                spec.draft_model.generation_config.num_assistant_tokens = k
+
+        on_finish = persist if schedule == "heuristic" else None
+        return HeuristicSchedule(spec.num_speculative_tokens, spec.max_speculative_tokens, on_finish)
+    return None
+
+
+def row_seeds(seed: int | list[int] | None, batch_size: int) -> torch.Tensor:  # [B] int64
+    """The seed of each row: `seed + i` for an int, the list as given, or draws from torch's global generator."""
+    if seed is None:
+        return row_random.random_seeds(batch_size)
+    if isinstance(seed, int):
+        if seed + batch_size > 2**63:
+            raise ValueError(
+                f"SpecDecoder(seed={seed}) plus the row index overflows int64 for {batch_size} rows: use a smaller seed."
+            )
+        return seed + torch.arange(batch_size)
+    if len(seed) != batch_size:
+        raise ValueError(
+            f"SpecDecoder(seed=[...]) gives {len(seed)} per-row seeds but the batch has {batch_size} rows "
+            "(num_return_sequences included): pass one seed per row, or a single int (row i then uses seed + i)."
+        )
+    return torch.tensor(seed, dtype=torch.long)
 
 
 def _check_spec_decoder(spec_decoder: Any) -> SpecDecoder:
@@ -150,7 +204,8 @@ def _check_call(
         raise ValueError("Speculative decoding needs the KV cache (use_cache=False was passed): drop use_cache=False.")
     if config.output_attentions or config.output_hidden_states:
         raise NotImplementedError(
-            "output_attentions / output_hidden_states are not supported with hf_specdec yet: drop them "
+            f"output_attentions={config.output_attentions} / output_hidden_states={config.output_hidden_states} "
+            "were requested, which hf_specdec does not support yet: drop them "
             "(output_scores and output_logits are supported)."
         )
     if config.cache_implementation not in (None, "dynamic"):
@@ -185,13 +240,16 @@ def _ragged_batch(
         pad_lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
     else:
         mask = attention_mask.to(device=device, dtype=torch.long)
-        if bool((mask[:, 1:] < mask[:, :-1]).any()) or bool((mask.sum(1) == 0).any()):
+        bad = (mask[:, 1:] < mask[:, :-1]).any(1) | (mask.sum(1) == 0)  # [B] right-padded or empty rows
+        if bool(bad.any()):
+            row = int(bad.nonzero()[0, 0])
             raise ValueError(
-                "hf_specdec needs left-padded batches (padding first, then the prompt), but this attention_mask has "
-                "padding after a prompt token or an empty row: set tokenizer.padding_side = 'left'."
+                "hf_specdec needs left-padded batches (padding first, then the prompt), but the attention_mask of "
+                f"row {row} is {mask[row].tolist()} (padding after a prompt token, or no token at all): set "
+                "tokenizer.padding_side = 'left' before tokenizing."
             )
         pad_lengths = (mask == 0).sum(1)
-    capacity = max_length + spec.num_speculative_tokens + 1
+    capacity = max_length + spec.max_speculative_tokens + 1
     token_ids = torch.zeros(batch_size, capacity, dtype=torch.long, device=device)  # [B, C]
     token_ids[:, :prompt_width] = input_ids
     return RaggedBatch(
@@ -209,7 +267,7 @@ _original_generate = None
 
 
 def install() -> None:
-    """Route `model.generate(spec_decoder=...)`, `assistant_model=` and `prompt_lookup_num_tokens=` to hf_specdec.
+    """Route `model.generate(spec_decoder=...)`, `assistant_model=`, `prompt_lookup_num_tokens=`, `use_mtp=` here.
 
     Idempotent. Other calls of `generate` are left exactly as they are; `uninstall()` restores the original.
     """
@@ -258,14 +316,45 @@ def _spec_from_kwargs(model: PreTrainedModel, kwargs: dict[str, Any]) -> SpecDec
     config = kwargs.get("generation_config") or model.generation_config
     assistant = kwargs.pop("assistant_model", None)
     lookup = kwargs.pop("prompt_lookup_num_tokens", None) or getattr(config, "prompt_lookup_num_tokens", None)
+    use_mtp = kwargs.pop("use_mtp", None) or getattr(config, "use_mtp", None)
     if spec is not None:
-        if assistant is not None or lookup:
-            raise ValueError("Pass either spec_decoder= or assistant_model=/prompt_lookup_num_tokens=, not both.")
+        if assistant is not None or lookup or use_mtp:
+            raise ValueError(
+                "Pass either spec_decoder= or assistant_model=/prompt_lookup_num_tokens=/use_mtp=, not both."
+            )
         return spec
+    if use_mtp:
+        # HF drafts one token per MTP layer; num_assistant_tokens= asks for more (the layers then cycle).
+        from hf_specdec.proposers.mtp import check_mtp_target
+
+        k = kwargs.pop("num_assistant_tokens", None) or check_mtp_target(model)
+        return SpecDecoder(method="mtp", num_speculative_tokens=min(int(k), MAX_SPECULATIVE_TOKENS))
     if assistant is not None:
-        k = kwargs.pop("num_assistant_tokens", None) or getattr(config, "num_assistant_tokens", None) or 20
-        return SpecDecoder(draft_model=assistant, num_speculative_tokens=min(int(k), MAX_SPECULATIVE_TOKENS))
+        knobs = {name: _assistant_knob(name, kwargs, config, assistant) for name in HF_ASSISTANT_DEFAULTS}
+        return SpecDecoder(
+            draft_model=assistant,
+            num_speculative_tokens=min(int(knobs["num_assistant_tokens"]), MAX_SPECULATIVE_TOKENS),
+            num_speculative_tokens_schedule=knobs["num_assistant_tokens_schedule"],
+            draft_confidence_threshold=float(knobs["assistant_confidence_threshold"]) or None,
+        )
     if lookup:
         max_n = kwargs.pop("max_matching_ngram_size", None) or getattr(config, "max_matching_ngram_size", None) or 2
         return SpecDecoder(method="ngram", num_speculative_tokens=int(lookup), prompt_lookup_max=int(max_n))
     return None
+
+
+#: HF's assistant knobs and transformers' defaults for them (`GenerationConfig._get_default_generation_params`).
+HF_ASSISTANT_DEFAULTS = {
+    "num_assistant_tokens": 20,
+    "num_assistant_tokens_schedule": "constant",
+    "assistant_confidence_threshold": 0.4,
+}
+
+
+def _assistant_knob(name: str, kwargs: dict[str, Any], config: GenerationConfig, assistant: PreTrainedModel) -> Any:
+    """An assistant knob as HF resolves it: the call's kwarg, the target's generation_config, the assistant's, default."""
+    value = kwargs.pop(name, None)
+    for source in (config, getattr(assistant, "generation_config", None)):
+        if value is None:
+            value = getattr(source, name, None)
+    return HF_ASSISTANT_DEFAULTS[name] if value is None else value

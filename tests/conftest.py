@@ -143,3 +143,31 @@ def spec_generate(model, inputs: dict, spec, **kwargs):
     import hf_specdec
 
     return model.generate(**inputs, custom_generate=hf_specdec.generate, spec_decoder=spec, **kwargs)
+
+
+def make_tokenizer(vocab: int = VOCAB, padding_side: str = "left"):
+    """A tiny real fast tokenizer, built offline: WordPiece over letters, digits and pieces, ids matching the tiny models.
+
+    Any lowercase/digit text encodes (which `StopStringCriteria` needs); ids 0-2 are pad, bos and eos.
+    """
+    import string
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = string.ascii_lowercase + string.digits
+    pieces = ["<pad>", "<s>", "</s>", "<unk>", *chars, *(f"##{c}" for c in chars)]
+    pieces += [f"##{a}{b}" for a in "etaoins" for b in "hnrtesd" if a != b][: vocab - len(pieces)]
+    assert len(pieces) == vocab, len(pieces)
+    backend = Tokenizer(models.WordPiece(vocab={p: i for i, p in enumerate(pieces)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        padding_side=padding_side,
+        clean_up_tokenization_spaces=False,
+    )

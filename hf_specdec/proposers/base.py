@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
     from hf_specdec.batch import RaggedBatch
     from hf_specdec.sampling.processors import StepSampling
 
@@ -41,6 +43,20 @@ class Proposer(ABC):
     #: True when the proposer returns draft probabilities (needed for exact speculative sampling
     #: with a stochastic draft); False for one-hot drafts (n-gram, greedy argmax drafts).
     returns_probs: bool = False
+
+    #: Positions the proposer's model can take (a draft's `max_position_embeddings`); None when unlimited.
+    #: `Top1Proposer` gives rows that would run past it no drafts, so the draft never sees such positions.
+    max_positions: int | None = None
+
+    #: True when a row's drafts depend only on that row's tokens (no per-row state across steps), so that
+    #: `Top1Proposer` may call `propose` on a sub-batch of the rows that speculate.
+    stateless: bool = False
+
+    def attach(self, target: "PreTrainedModel") -> None:  # noqa: B027
+        """Called once before the target's prefill: proposers that read the target's activations hook in here."""
+
+    def detach(self) -> None:  # noqa: B027
+        """Called once when the `generate` call ends, also when it fails: undo what `attach` did."""
 
     def prefill(self, batch: "RaggedBatch", sampling: "StepSampling") -> None:  # noqa: B027
         """Called once after the target's prefill, before the first `propose`."""

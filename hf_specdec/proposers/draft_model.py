@@ -4,10 +4,14 @@ The draft keeps its own KV cache (`CacheView`) over the same ragged batch. Each 
 what it has not seen yet (the target's last token, plus the last draft after a full accept: 1 or 2
 tokens per row, ragged), then one token per draft position, all rows in one forward each. Greedy
 calls take the draft's argmax (one-hot drafts); sampling calls sample from the draft's processed
-distribution q and return q, as exact speculative sampling needs.
+distribution q and return q, as exact speculative sampling needs. With a `ConfidenceThreshold` (HF's
+`assistant_confidence_threshold`) a row stops drafting after a low-probability draft. `max_positions` is the
+draft's position limit: its prefill skips rows already past it, and `Top1Proposer` keeps drafts below it.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import PreTrainedModel
@@ -17,6 +21,9 @@ from hf_specdec.cache import CacheView
 from hf_specdec.proposers.base import Proposal, Proposer
 from hf_specdec.sampling import random as row_random
 from hf_specdec.sampling.processors import StepSampling
+
+if TYPE_CHECKING:
+    from hf_specdec.schedules import ConfidenceThreshold
 
 
 def output_vocab_size(model: PreTrainedModel) -> int:
@@ -47,10 +54,18 @@ def check_draft_model(target: PreTrainedModel, draft: PreTrainedModel) -> None:
 class DraftModelProposer(Proposer):
     """Drafts with a small causal LM; batched over rows, one forward per draft position."""
 
-    def __init__(self, draft_model: PreTrainedModel, num_speculative_tokens: int) -> None:
+    def __init__(
+        self,
+        draft_model: PreTrainedModel,
+        num_speculative_tokens: int,
+        confidence_threshold: ConfidenceThreshold | None = None,
+    ) -> None:
         self.draft_model = draft_model
         self.num_speculative_tokens = num_speculative_tokens
+        self.confidence_threshold = confidence_threshold
+        self.max_positions = draft_position_limit(draft_model)
         self.view: CacheView | None = None
+        self._drafted_probs: torch.Tensor | None = None  # [B, k] draft probability of each drafted token
 
     @property
     def returns_probs(self) -> bool:  # type: ignore[override]
@@ -58,8 +73,12 @@ class DraftModelProposer(Proposer):
 
     def prefill(self, batch: RaggedBatch, sampling: StepSampling) -> None:
         self.view = CacheView(self.draft_model, batch.batch_size, batch.pad_lengths)
-        if batch.prompt_width > 1:
-            self.view.forward(batch.token_ids, batch.lengths - 1, logits_to_keep=1)
+        num_new = batch.lengths - 1  # [B]
+        if self.max_positions is not None:
+            # A row that is already at the draft's position limit can never draft: the draft never sees it.
+            num_new = torch.where(batch.lengths - batch.pad_lengths < self.max_positions, num_new, 0)
+        if batch.prompt_width > 1 and int(num_new.max().item()) > 0:
+            self.view.forward(batch.token_ids, num_new, logits_to_keep=1)
 
     def propose(self, batch: RaggedBatch, max_draft_tokens: torch.Tensor, sampling: StepSampling) -> Proposal:
         assert self.view is not None, "prefill() must run before propose()"
@@ -69,9 +88,14 @@ class DraftModelProposer(Proposer):
         rows = torch.arange(batch.batch_size, device=batch.device)
         draft_ids = torch.full((batch.batch_size, k), -1, dtype=torch.long, device=batch.device)  # [B, k]
         draft_probs: list[torch.Tensor] = []
+        token_probs: list[torch.Tensor] = []
         lengths = batch.lengths.clone()  # [B] tokens known per row, drafts included
+        confident = torch.ones_like(max_draft_tokens, dtype=torch.bool)  # [B] rows still above the threshold
+        threshold = self.confidence_threshold
         for j in range(k):
-            drafting = max_draft_tokens > j  # [B]
+            drafting = (max_draft_tokens > j) & confident  # [B]
+            if threshold is not None and j > 0 and not bool(drafting.any()):
+                break  # every row stopped on a low-confidence draft: skip the remaining draft forwards
             num_new = torch.where(drafting, lengths - self.view.cached_lengths, 0)  # [B]
             logits = self.view.forward(batch.token_ids, num_new)  # [B, w, V]
             last = logits[rows, (num_new - 1).clamp(min=0)]  # [B, V]
@@ -83,22 +107,45 @@ class DraftModelProposer(Proposer):
                 draft_probs.append(probs)
             else:
                 tokens = scores.argmax(dim=-1)  # [B]
+            if threshold is not None:
+                # HF's confidence rule: the draft keeps its low-confidence token, then that row stops drafting.
+                probs_j = draft_probs[-1] if sampling.do_sample else torch.softmax(scores, dim=-1)  # [B, V]
+                p_token = probs_j.gather(1, tokens[:, None])[:, 0]  # [B]
+                token_probs.append(torch.where(drafting, p_token, -1.0))
+                confident = confident & (p_token >= threshold.value)
             tokens = torch.where(drafting, tokens, -1)
             draft_ids[:, j] = tokens
             write_at = lengths.clamp(max=batch.capacity - 1)
             batch.token_ids[rows, write_at] = torch.where(drafting, tokens, batch.token_ids[rows, write_at])
             lengths = lengths + drafting.long()
-        probs = torch.stack(draft_probs, dim=1) if draft_probs else None  # [B, k, V]
-        return Proposal(draft_token_ids=draft_ids, num_draft_tokens=max_draft_tokens.clone(), draft_probs=probs)
+        probs = torch.stack(draft_probs, dim=1) if draft_probs else None  # [B, k', V]
+        num_draft = (draft_ids >= 0).sum(1)  # [B]
+        width = int(num_draft.max().item()) if threshold is not None else k
+        self._drafted_probs = torch.stack(token_probs, dim=1)[:, :width] if token_probs else None  # [B, k']
+        return Proposal(
+            draft_token_ids=draft_ids[:, :width],
+            num_draft_tokens=num_draft,
+            draft_probs=probs[:, :width] if probs is not None else None,
+        )
 
     def commit(self, batch: RaggedBatch, num_accepted: torch.Tensor) -> None:
         assert self.view is not None
+        if self.confidence_threshold is not None and self._drafted_probs is not None:
+            self.confidence_threshold.update(self._drafted_probs, num_accepted)
+            self._drafted_probs = None
         # The newest token of each row (recovered or bonus) was never seen by the draft.
         self.view.rollback(batch.lengths - 1)
 
     def select_rows(self, keep: torch.Tensor) -> None:
         if self.view is not None:
             self.view.select_rows(keep)
+        self._drafted_probs = None
+
+
+def draft_position_limit(draft_model: PreTrainedModel) -> int | None:
+    """The number of positions the draft was built for (`max_position_embeddings`, GPT-2's `n_positions`)."""
+    limit = getattr(draft_model.config.get_text_config(), "max_position_embeddings", None)
+    return int(limit) if isinstance(limit, int) and limit > 0 else None
 
 
 def sampling_exponentials(sampling: StepSampling, position: int, vocab: int) -> torch.Tensor:  # [B, V]

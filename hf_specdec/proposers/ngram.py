@@ -40,6 +40,7 @@ class NgramProposer(Proposer):
     """
 
     returns_probs: bool = False
+    stateless: bool = True
 
     def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int = 1, prompt_lookup_max: int = 4):
         if num_speculative_tokens < 1:

@@ -362,21 +362,26 @@ def rejection_sample_triton(
             f"rejection_sample_triton got {dev} tensors but triton was imported without its interpreter; set "
             "TRITON_INTERPRET=1 before the first `import triton` (or use the torch reference on CPU)."
         )
-    bs = block_stats or min(4096, triton.next_power_of_2(V))
+    bs = block_stats or min(2048, triton.next_power_of_2(V))
     br = block_race or min(2048, triton.next_power_of_2(V))
     # rows per program: 1 for large V on a GPU; many in the interpreter, whose cost is per op, not per element
     budget = 1 << 16 if interpret else 2048
     rows = rows_per_program or max(1, min(triton.next_power_of_2(B), budget // max(bs, br)))
     nb = triton.cdiv(B, rows)
     target = _target_programs(dev)
-    s1, chunk1 = _split(V, bs, nb * K1, target, num_splits[0])
+    # The stats pass streams every position: many small vocab chunks keep enough loads in flight (measured on an
+    # H100, B=64 k=4 V=128256: ~16x more programs than SMs x 4 cut the device time by 12-20%).
+    s1, chunk1 = _split(V, bs, nb * K1, 16 * target, num_splits[0])
     s2, chunk2 = _split(V, br, nb, target, num_splits[1])
-    part_m = torch.empty((B, K1, s1), dtype=torch.float32, device=dev)
-    part_s = torch.empty((B, K1, s1), dtype=torch.float32, device=dev)
-    part_i = torch.empty((B, K1, s1), dtype=torch.int32, device=dev)
-    race = torch.empty((B, s2, 3), dtype=torch.float32, device=dev)
-    race_i = torch.empty((B, s2, 2), dtype=torch.int32, device=dev)
-    stop = torch.empty((B,), dtype=torch.int32, device=dev)
+    # One 32-bit workspace for every partial result: a single allocation per call (host overhead matters at small B).
+    n1, n2 = B * K1 * s1, B * s2
+    work = torch.empty(3 * n1 + 5 * n2 + B, dtype=torch.int32, device=dev)
+    part_m = work[:n1].view(torch.float32).view(B, K1, s1)
+    part_s = work[n1 : 2 * n1].view(torch.float32).view(B, K1, s1)
+    part_i = work[2 * n1 : 3 * n1].view(B, K1, s1)
+    race = work[3 * n1 : 3 * n1 + 3 * n2].view(torch.float32).view(B, s2, 3)
+    race_i = work[3 * n1 + 3 * n2 : 3 * n1 + 5 * n2].view(B, s2, 2)
+    stop = work[3 * n1 + 5 * n2 :]
     has_temp = temperature is not None
     warps = {} if interpret else {"num_warps": 8}
     _variant(_stats_kernel, interpret)[(nb * K1, s1)](

@@ -10,6 +10,7 @@ positions; the others run once per distinct prefix length, on the rows that shar
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,7 @@ from transformers.generation.logits_process import (
     LogitsProcessorList,
     MinPLogitsWarper,
     PrefixConstrainedLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -69,9 +71,11 @@ class StepSampling:
     def __post_init__(self) -> None:
         check_processors(self.processors)
         self.prefix_free = all(isinstance(p, PREFIX_FREE_PROCESSORS) for p in self.processors)
+        self.row_ids = torch.arange(self.seeds.shape[0], device=self.seeds.device)  # [B] caller's row of each row
 
     def select_rows(self, keep: torch.Tensor) -> None:
         self.seeds = self.seeds[keep]
+        self.row_ids = self.row_ids[keep.to(self.row_ids.device)]
 
     def process(
         self,
@@ -92,7 +96,8 @@ class StepSampling:
         lengths = torch.where(valid, prefix_lengths, -1)
         for length in torch.unique(lengths[valid]).tolist():
             rows, cols = (lengths == length).nonzero(as_tuple=True)
-            scores[rows, cols] = self.processors(token_ids[rows, :length], logits[rows, cols])
+            processors = processors_for_rows(self.processors, self.row_ids[rows.to(self.row_ids.device)])
+            scores[rows, cols] = processors(token_ids[rows, :length], logits[rows, cols])
         return scores
 
     def draw_uniforms(self, num: int) -> torch.Tensor:  # [B, num]
@@ -100,3 +105,19 @@ class StepSampling:
 
     def draw_exponentials(self, stream: int, num: int) -> torch.Tensor:  # [B, num]
         return row_random.exponential(self.seeds, self.step, stream, num)
+
+
+def processors_for_rows(processors: LogitsProcessorList, row_ids: torch.Tensor) -> LogitsProcessorList:
+    """`processors` for a subset of the caller's rows (`row_ids` [n]): per-row state is sliced to those rows.
+
+    `generate` gives `RepetitionPenaltyLogitsProcessor` a per-row `prompt_ignore_length` [B_total] (the left
+    padding); called on n rows it needs those rows' entries.
+    """
+    sliced = []
+    for processor in processors:
+        ignore = getattr(processor, "prompt_ignore_length", None)
+        if isinstance(processor, RepetitionPenaltyLogitsProcessor) and isinstance(ignore, torch.Tensor):
+            processor = copy.copy(processor)
+            processor.prompt_ignore_length = ignore[row_ids.to(ignore.device)]
+        sliced.append(processor)
+    return LogitsProcessorList(sliced)

@@ -114,6 +114,8 @@ def rejection_sample_reference(
 
     logits = target_logits.float()  # [B, k+1, V]
     target_argmax = logits.argmax(dim=-1)  # [B, k+1] greedy targets: first maximal id on ties
+    if B > 0 and bool(is_greedy.all()):
+        return _greedy_only(draft_token_ids, num_draft_tokens, target_argmax)
     if temperature is not None:
         # Greedy rows may carry temperature 0: divide them by 1 instead (their probabilities are never used).
         temp = torch.where(is_greedy, torch.ones_like(temperature), temperature).float()  # [B]
@@ -167,6 +169,21 @@ def rejection_sample_reference(
     drafts_padded = torch.nn.functional.pad(safe_ids, (0, 1), value=-1)  # [B, k+1]
     output = torch.where(out_positions[None, :] < num_accepted[:, None], drafts_padded, -1)  # [B, k+1]
     output = torch.where(out_positions[None, :] == num_accepted[:, None], final_token[:, None], output)  # [B, k+1]
+    return output
+
+
+def _greedy_only(
+    draft_token_ids: torch.Tensor,  # [B, k]
+    num_draft_tokens: torch.Tensor,  # [B]
+    target_argmax: torch.Tensor,  # [B, k+1]
+) -> torch.Tensor:  # [B, k+1]
+    """The all-greedy batch without any softmax: accept while d_j == t_j, then emit t at the stop position."""
+    k = draft_token_ids.shape[1]
+    positions = torch.arange(k + 1, device=target_argmax.device)  # [k+1]
+    in_row = positions[None, :k] < num_draft_tokens[:, None]  # [B, k]
+    accept = in_row & (draft_token_ids == target_argmax[:, :k])  # [B, k] (an id outside [0, V) never matches)
+    num_accepted = accept.long().cumprod(dim=1).sum(dim=1)  # [B]
+    output = torch.where(positions[None, :] <= num_accepted[:, None], target_argmax, -1)  # [B, k+1]
     return output
 
 

@@ -1,0 +1,165 @@
+"""`Top1Proposer`: decides, per row and step, how many drafts a row may have (0..k), then runs the inner proposer.
+
+Rows that would run past the draft's position limit (or a user `max_draft_len`), rows whose schedule gives
+them no drafts this step, and rows for which the inner proposer finds nothing get 0 drafts and simply decode
+one token through the same batched target forward. The inner proposer runs only for the rows that may
+speculate (a sub-batch for stateless proposers, zero budgets otherwise), and its result is merged back with
+`-1` ids and zero probabilities. `build_proposer` always wraps its proposer in one, so this is the single
+place where per-row draft budgets are decided.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from hf_specdec.batch import RaggedBatch
+from hf_specdec.proposers.base import Proposal, Proposer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from hf_specdec.sampling.processors import StepSampling
+    from hf_specdec.schedules import SpeculationSchedule
+
+__all__ = ["Top1Proposer", "length_budget"]
+
+
+def length_budget(
+    seq_lengths: torch.Tensor,  # [B] real tokens per row (left padding excluded)
+    limit: int | None,
+) -> torch.Tensor | None:  # [B] most drafts a row may have under the limit, or None without a limit
+    """Drafts d a row may have so that `seq_len + d < limit`: the draft then never sees a position >= limit."""
+    if limit is None:
+        return None
+    return (limit - 1 - seq_lengths).clamp(min=0)
+
+
+class Top1Proposer(Proposer):
+    """
+    Wraps a proposer and gives each row its own draft budget in 0..k per step (vLLM's Top-1 proposer, generalised
+    from "0 or k" to any length per row).
+
+    A row's budget is the smallest of: what the decoding loop allows (room left before `max_length`), what the
+    schedule gives it this step (`schedule`, e.g. HF's heuristic or the adaptive cost model), and what keeps
+    `seq_len + d < min(inner.max_positions, max_draft_len)`. Rows with budget 0 are not shown to the inner
+    proposer; when no row may speculate, the inner proposer is not called at all (the step is a plain decode).
+
+    Args:
+        inner (`Proposer`): The proposer that drafts (n-gram, draft model, ...).
+        max_draft_len (`int`, *optional*): Rows whose length (prompt + generated, padding excluded) plus their
+            drafts would reach this stop speculating; combined with the inner proposer's `max_positions`.
+        schedule (`SpeculationSchedule`, *optional*): Per-row draft budgets per step; `None` means always k.
+    """
+
+    def __init__(
+        self,
+        inner: Proposer,
+        max_draft_len: int | None = None,
+        schedule: SpeculationSchedule | None = None,
+    ) -> None:
+        self.inner = inner
+        limits = [n for n in (inner.max_positions, max_draft_len) if n is not None]
+        self.limit = min(limits) if limits else None
+        self.schedule = schedule
+        self.last_num_draft_tokens: torch.Tensor | None = None  # [B] drafts of the latest proposal
+
+    @property
+    def returns_probs(self) -> bool:  # type: ignore[override]
+        return self.inner.returns_probs
+
+    @property
+    def max_positions(self) -> int | None:  # type: ignore[override]
+        return self.inner.max_positions
+
+    def attach(self, target: PreTrainedModel) -> None:
+        self.inner.attach(target)
+
+    def detach(self) -> None:
+        self.inner.detach()
+
+    def prefill(self, batch: RaggedBatch, sampling: StepSampling) -> None:
+        if self.schedule is not None:
+            self.schedule.start(batch.batch_size, batch.device)
+        self.inner.prefill(batch, sampling)
+
+    def budgets(self, batch: RaggedBatch, max_draft_tokens: torch.Tensor) -> torch.Tensor:  # [B]
+        """Drafts each row may have this step: the loop's room, the schedule's choice and the length limit."""
+        budget = max_draft_tokens.clone()  # [B]
+        if self.schedule is not None:
+            budget = torch.minimum(budget, self.schedule.budgets(batch))
+        by_length = length_budget(batch.lengths - batch.pad_lengths, self.limit)
+        if by_length is not None:
+            budget = torch.minimum(budget, by_length)
+        return budget
+
+    def propose(self, batch: RaggedBatch, max_draft_tokens: torch.Tensor, sampling: StepSampling) -> Proposal:
+        budget = self.budgets(batch, max_draft_tokens)  # [B]
+        speculating = budget > 0  # [B]
+        num_speculating = int(speculating.sum().item()) if batch.batch_size else 0
+        if num_speculating == 0:
+            proposal = Proposal.empty(batch.batch_size, batch.device)
+        elif self.inner.stateless and num_speculating < batch.batch_size:
+            rows = speculating.nonzero().squeeze(1)  # [B']
+            proposal = self._merge(
+                batch.batch_size, rows, self.inner.propose(_sub_batch(batch, rows), budget[rows], sampling)
+            )
+        else:
+            proposal = self.inner.propose(batch, budget, sampling)
+        proposal = _clip(proposal, budget)
+        self.last_num_draft_tokens = proposal.num_draft_tokens
+        return proposal
+
+    def commit(self, batch: RaggedBatch, num_accepted: torch.Tensor) -> None:
+        if self.schedule is not None and self.last_num_draft_tokens is not None:
+            self.schedule.observe(self.last_num_draft_tokens, num_accepted)
+        self.inner.commit(batch, num_accepted)
+
+    def select_rows(self, keep: torch.Tensor) -> None:
+        if self.schedule is not None:
+            self.schedule.select_rows(keep)
+        self.last_num_draft_tokens = None
+        self.inner.select_rows(keep)
+
+    def finish(self) -> None:
+        """Called once after the loop: lets the schedule keep what it learned (HF's persistent "heuristic")."""
+        if self.schedule is not None:
+            self.schedule.finish()
+
+    @staticmethod
+    def _merge(batch_size: int, rows: torch.Tensor, sub: Proposal) -> Proposal:
+        """Scatter a sub-batch's proposal back into the full batch (-1 ids, zero probabilities elsewhere)."""
+        device = sub.draft_token_ids.device
+        width = sub.draft_token_ids.shape[1]
+        ids = torch.full((batch_size, width), -1, dtype=torch.long, device=device)  # [B, k]
+        ids[rows] = sub.draft_token_ids
+        num = torch.zeros(batch_size, dtype=torch.long, device=device)  # [B]
+        num[rows] = sub.num_draft_tokens
+        probs = None
+        if sub.draft_probs is not None:
+            probs = sub.draft_probs.new_zeros((batch_size, *sub.draft_probs.shape[1:]))  # [B, k, V]
+            probs[rows] = sub.draft_probs
+        return Proposal(draft_token_ids=ids, num_draft_tokens=num, draft_probs=probs)
+
+
+def _sub_batch(batch: RaggedBatch, rows: torch.Tensor) -> RaggedBatch:
+    return RaggedBatch(
+        token_ids=batch.token_ids[rows],
+        lengths=batch.lengths[rows],
+        pad_lengths=batch.pad_lengths[rows],
+        row_ids=batch.row_ids[rows],
+        prompt_width=batch.prompt_width,
+    )
+
+
+def _clip(proposal: Proposal, budget: torch.Tensor) -> Proposal:
+    """Enforce each row's budget ([B]): ids past it become -1, probabilities 0; trim to the longest row."""
+    num = torch.minimum(proposal.num_draft_tokens, budget)  # [B]
+    width = int(num.max().item()) if num.numel() else 0
+    drafted = torch.arange(width, device=num.device) < num[:, None]  # [B, k]
+    ids = torch.where(drafted, proposal.draft_token_ids[:, :width], -1)  # [B, k]
+    probs = proposal.draft_probs
+    if probs is not None:
+        probs = probs[:, :width] * drafted[:, :, None]  # [B, k, V]
+    return Proposal(draft_token_ids=ids, num_draft_tokens=num, draft_probs=probs)

@@ -1,0 +1,208 @@
+"""MTPProposer: greedy identity, exact sampling and cache bounds with two real MTP architectures.
+
+Targets are tiny DeepSeek-V3 (MLA attention, MoE) and GLM-4.5 (`glm4_moe`: GQA, partial RoPE, MoE) built
+from configs with `num_mtp_layers=2`; their `MtpModel` is transformers' own. Its weights are random but
+start from the target's decoder layer (so drafts are often right and acceptance is ragged), and mix in
+the previous hidden state, so a wrong hidden-state hand-off changes the drafts. Every draft of the first
+MTP cycle is checked against transformers' own `MtpModel.forward` over the committed prefix.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import EOS_ID, PAD_ID, VOCAB, make_prompts, spec_generate
+from scipy import stats
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.cache_utils import MtpCache
+from transformers.modeling_layers import MtpModel
+
+import hf_specdec
+from hf_specdec.proposers.mtp import MTPProposer
+
+NUM_MTP_LAYERS = 2
+MTP_ARCHS = {
+    "deepseek_v3": dict(
+        num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16
+    ),
+    "glm4_moe": dict(num_key_value_heads=2, head_dim=16),
+}
+
+
+def make_mtp_target(arch: str, seed: int = 0) -> tuple[torch.nn.Module, MtpModel]:
+    """A 1-layer MoE target with 2 MTP layers: copies of its layer plus noise, fed [embedding, hidden]."""
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(
+        arch,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=0,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+        initializer_range=0.4,
+        num_mtp_layers=NUM_MTP_LAYERS,
+        **MTP_ARCHS[arch],
+    )
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    model.generation_config.pad_token_id = PAD_ID
+    model.generation_config.eos_token_id = EOS_ID
+    hidden = config.hidden_size
+    with torch.no_grad():
+        embed = model.get_input_embeddings().weight
+        embed.div_(embed.pow(2).mean(-1, keepdim=True).sqrt().clamp(min=1e-6))  # RMS 1: enorm(embedding) == embedding
+        mtp = MtpModel(model, NUM_MTP_LAYERS).eval()
+        for layer in mtp.layers:
+            layer.mtp_block.load_state_dict(model.get_decoder().layers[0].state_dict())
+            mix = torch.randn(hidden, hidden) * 0.3 / hidden**0.5
+            layer.eh_proj.weight.copy_(torch.cat([torch.eye(hidden), mix], dim=1))
+            layer.post_norm.weight.copy_(model.get_decoder().norm.weight)
+            for p in layer.parameters():
+                p.add_(torch.randn(p.shape) * 0.05 * p.abs().mean())
+    return model, mtp
+
+
+@pytest.fixture(scope="module", params=sorted(MTP_ARCHS))
+def mtp_target(request: pytest.FixtureRequest) -> tuple[torch.nn.Module, MtpModel]:
+    return make_mtp_target(request.param)
+
+
+def reference_drafts(model: torch.nn.Module, mtp: MtpModel, tokens: torch.Tensor) -> torch.Tensor:  # [n]
+    """transformers' own MTP chain over a committed sequence `tokens` ([L], no padding): its n greedy drafts."""
+    hidden = model.get_decoder()(tokens[None]).last_hidden_state  # [1, L, H]
+    drafts, _, _ = mtp(
+        input_ids=tokens[None, 1:],
+        last_hidden_states=hidden[:, :-1],
+        attention_mask=None,
+        position_ids=torch.arange(1, len(tokens))[None],
+        mtp_cache=MtpCache(config=model.config.get_mtp_config()),
+    )
+    return drafts[0]
+
+
+class Recorder:
+    """Wraps the real MTPProposer methods: keeps each step's committed rows and drafts, checks cache bounds."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.num_accepted = 0
+        self.num_commits = 0
+        propose, commit = MTPProposer.propose, MTPProposer.commit
+
+        def recording_propose(proposer, batch, max_draft_tokens, sampling):  # noqa: ANN001, ANN202
+            proposal = propose(proposer, batch, max_draft_tokens, sampling)
+            self.steps.append(
+                (batch.token_ids.clone(), batch.lengths.clone(), batch.pad_lengths.clone(), proposal.draft_token_ids)
+            )
+            return proposal
+
+        def checking_commit(proposer, batch, num_accepted):  # noqa: ANN001, ANN202
+            commit(proposer, batch, num_accepted)
+            self.num_accepted += int(num_accepted.sum())
+            self.num_commits += 1
+            for d, view in enumerate(proposer.views):
+                # The MTP caches never hold a position the sequence does not, and their KV matches the map.
+                assert bool((view.cached_lengths <= batch.lengths).all())
+                assert bool((view.column_index < batch.lengths[:, None]).all())
+                assert bool(((view.column_index >= 0).sum(1) <= batch.lengths - batch.pad_lengths - 1 - d).all())
+                assert view.cache.layers[d].keys.shape[-2] == view.width
+
+        monkeypatch.setattr(MTPProposer, "propose", recording_propose)
+        monkeypatch.setattr(MTPProposer, "commit", checking_commit)
+
+
+@pytest.mark.parametrize("batch_size", [1, 4])
+@pytest.mark.parametrize("k", [NUM_MTP_LAYERS, 2 * NUM_MTP_LAYERS])
+def test_greedy_matches_generate_and_transformers_mtp(mtp_target, batch_size, k, monkeypatch) -> None:
+    model, mtp = mtp_target
+    inputs = make_prompts(batch_size, seed=batch_size)
+    expected = model.generate(**inputs, max_new_tokens=14, do_sample=False)
+    recorder = Recorder(monkeypatch)
+    spec = hf_specdec.SpecDecoder(method="mtp", num_speculative_tokens=k, mtp_model=mtp)
+    out = spec_generate(model, inputs, spec, max_new_tokens=14, do_sample=False)
+    assert torch.equal(out, expected)
+    assert recorder.num_accepted > 0, "the test MTP layers should get some drafts accepted"
+    assert spec.last_stats.num_draft_tokens > recorder.num_accepted, "and some rejected"
+    for token_ids, lengths, pad_lengths, drafts in recorder.steps:
+        for i in range(token_ids.shape[0]):
+            num = min(NUM_MTP_LAYERS, int((drafts[i] >= 0).sum()))
+            if num:
+                want = reference_drafts(model, mtp, token_ids[i, pad_lengths[i] : lengths[i]])
+                assert torch.equal(drafts[i, :num], want[:num])
+
+
+def test_steps_without_drafts_keep_the_mtp_caches_in_step(mtp_target, monkeypatch) -> None:
+    """Past max_draft_len no row drafts, propose is skipped, and commit alone catches the MTP layers up."""
+    model, mtp = mtp_target
+    inputs = make_prompts(3, seed=7)
+    expected = model.generate(**inputs, max_new_tokens=10, do_sample=False)
+    recorder = Recorder(monkeypatch)
+    spec = hf_specdec.SpecDecoder(method="mtp", num_speculative_tokens=2, mtp_model=mtp, max_draft_len=12)
+    assert torch.equal(spec_generate(model, inputs, spec, max_new_tokens=10, do_sample=False), expected)
+    assert recorder.num_commits > len(recorder.steps) > 0
+
+
+def test_sampling_is_seeded_and_exact_for_the_first_token(mtp_target) -> None:
+    model, mtp = mtp_target
+    prompt = make_prompts(1, seed=3)["input_ids"]
+    rows = 400
+    inputs = {"input_ids": prompt.expand(rows, -1)}
+    spec = hf_specdec.SpecDecoder(method="mtp", num_speculative_tokens=NUM_MTP_LAYERS, mtp_model=mtp, seed=11)
+    kwargs = dict(max_new_tokens=2, do_sample=True, temperature=0.7, top_k=0)
+    out = spec_generate(model, inputs, spec, **kwargs)
+    assert torch.equal(out, spec_generate(model, inputs, spec, **kwargs))  # seeded: reproducible
+    assert spec.last_stats.num_draft_tokens > 0
+    # The first generated token must follow the target's own (tempered) next-token distribution.
+    with torch.no_grad():
+        probs = torch.softmax(model(prompt).logits[0, -1] / 0.7, dim=-1).double()
+    counts = torch.bincount(out[:, prompt.shape[1]], minlength=probs.shape[0]).double()
+    common = probs * rows >= 5
+    observed = torch.cat([counts[common], counts[~common].sum()[None]])
+    expected = torch.cat([probs[common], probs[~common].sum()[None]]) * rows
+    keep = expected > 0
+    expected = expected[keep] * rows / expected[keep].sum()
+    assert stats.chisquare(observed[keep], expected).pvalue > 1e-3
+
+
+def test_use_mtp_routes_after_install_and_stock_generate_is_untouched(mtp_target, monkeypatch) -> None:
+    model, mtp = mtp_target
+    from hf_specdec.proposers import mtp as mtp_module
+
+    monkeypatch.setitem(mtp_module._LOADED_MTP_MODELS, model, mtp)  # as if loaded from the target's checkpoint
+    inputs = make_prompts(2, seed=5)
+    expected = model.generate(**inputs, max_new_tokens=8, do_sample=False)
+    recorder = Recorder(monkeypatch)
+    hf_specdec.install()
+    try:
+        out = model.generate(**inputs, max_new_tokens=8, do_sample=False, use_mtp=True)
+    finally:
+        hf_specdec.uninstall()
+    assert torch.equal(out, expected)
+    assert recorder.steps, "use_mtp=True should have run the MTP proposer"
+    assert all(drafts.shape[1] <= NUM_MTP_LAYERS for *_, drafts in recorder.steps)  # HF's k: one per MTP layer
+
+
+def test_target_without_mtp_layers_gets_a_clear_error(llama) -> None:
+    spec = hf_specdec.SpecDecoder(method="mtp", num_speculative_tokens=2)
+    with pytest.raises(ValueError, match="num_mtp_layers.*method='draft'.*method='ngram'"):
+        spec_generate(llama, make_prompts(1), spec, max_new_tokens=4)
+
+
+def test_the_hook_is_removed_even_when_the_call_fails(mtp_target) -> None:
+    model, mtp = mtp_target
+    decoder = model.get_decoder()
+    spec = hf_specdec.SpecDecoder(method="mtp", num_speculative_tokens=2, mtp_model=mtp)
+    with pytest.raises(ZeroDivisionError):  # raised by a logits processor inside the loop, after attach()
+        spec_generate(model, make_prompts(1), spec, max_new_tokens=4, logits_processor=[lambda ids, s: 1 / 0])
+    assert not decoder._forward_hooks
+    spec_generate(model, make_prompts(1), spec, max_new_tokens=4)
+    assert not decoder._forward_hooks
