@@ -47,6 +47,8 @@ class CacheView:
         self.pad_lengths = pad_lengths.clone()  # [B]
         self.column_index = torch.empty(batch_size, 0, dtype=torch.long, device=device)  # [B, W], -1 = hole
         self.cached_lengths = torch.zeros(batch_size, dtype=torch.long, device=device)  # [B]
+        # Column j holds buffer index j (one row, no padding): holes can never appear, rollback only crops.
+        self.aligned = batch_size == 1 and not bool(self.pad_lengths.any())
         config = model.config.get_text_config()
         self.layer_types = getattr(config, "layer_types", None)
         self.sliding_window = getattr(config, "sliding_window", None)
@@ -78,7 +80,9 @@ class CacheView:
         position_ids = torch.where(valid, (index - self.pad_lengths[:, None]).clamp(min=0), 0)  # [B, w]
         keys = torch.cat([self.column_index, new_columns], dim=1)  # [B, W + w]
         queries = torch.where(valid, index, -1)  # [B, w]
-        mask = self._attention_mask(queries, keys)
+        # A single row without holes is laid out exactly like plain decoding's cache: let the model build its own
+        # causal mask (no explicit mask keeps sdpa on its GQA-native, flash-capable path).
+        mask = None if self.aligned and width > 0 else self._attention_mask(queries, keys)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=mask,

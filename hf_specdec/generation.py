@@ -294,8 +294,10 @@ def is_installed() -> bool:
 def _routed_generate(original):  # noqa: ANN001, ANN202
     @functools.wraps(original)
     def generate_with_speculation(self, *args: Any, **kwargs: Any):  # noqa: ANN001, ANN202
+        if kwargs.get("custom_generate") is not None:  # the caller chose its decoder: leave the call as it is
+            return original(self, *args, **kwargs)
         spec = _spec_from_kwargs(self, kwargs)
-        if spec is None or kwargs.get("custom_generate") is not None:
+        if spec is None:
             return original(self, *args, **kwargs)
         kwargs.update(
             custom_generate=generate,

@@ -61,6 +61,17 @@ def test_spec_decoder_kwarg_is_routed(target, draft, installed, batch_size):
     assert spec.last_stats is not None and spec.last_stats.num_draft_tokens > 0  # it ran through hf_specdec
 
 
+def test_explicit_custom_generate_still_works_when_installed(target, draft, installed):
+    """`custom_generate=hf_specdec.generate, spec_decoder=spec` keeps working with the hook in place."""
+    inputs = make_prompts(2, seed=4)
+    spec = hf_specdec.SpecDecoder(draft_model=draft, num_speculative_tokens=3)
+    out = target.generate(
+        **inputs, custom_generate=hf_specdec.generate, spec_decoder=spec, do_sample=False, max_new_tokens=MAX_NEW
+    )
+    assert torch.equal(out, plain_greedy(target, inputs))
+    assert spec.last_stats is not None and spec.last_stats.num_steps > 0
+
+
 @pytest.mark.parametrize("batch_size", [1, 3])
 @pytest.mark.parametrize(
     "speculation",

@@ -1,0 +1,65 @@
+"""Plots for docs/benchmarks.md from the JSON files the GPU benchmarks write (matplotlib, no GPU needed).
+
+Run: `python benchmarks/plot_results.py docs/results/rejection_h100.json docs/results/e2e_h100.json --out docs`
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def plot_rejection(data: dict, out: Path) -> None:
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, fmt in zip(axes, ("fp32", "bf16")):
+        for k in sorted({r["k"] for r in data["rows"]}):
+            rows = sorted((r for r in data["rows"] if r["format"] == fmt and r["k"] == k and r["V"] == 128_256),
+                          key=lambda r: r["B"])  # fmt: skip
+            ax.plot([r["B"] for r in rows], [r["x_floor_graph"] for r in rows], marker="o", label=f"k={k} (graph)")
+            ax.plot([r["B"] for r in rows], [r["x_floor"] for r in rows], ls="--", alpha=0.5, label=f"k={k} (eager)")
+        ax.axhline(1.5, color="grey", lw=0.8)
+        ax.set(xscale="log", yscale="log", xlabel="batch B", title=f"{fmt}, V = 128 256")
+    axes[0].set_ylabel("time / memory floor")
+    axes[1].legend(fontsize=7)
+    fig.suptitle(f"Triton rejection sampler on {data['meta']['gpu']}")
+    fig.tight_layout()
+    fig.savefig(out / "rejection_h100.png", dpi=110)
+
+
+def plot_e2e(data: dict, out: Path) -> None:
+    rows = data["batch1"]
+    labels = [f"a={r['alpha']}\nk={r['k']}" for r in rows]
+    x = range(len(rows))
+    fig, ax = plt.subplots(figsize=(11, 4))
+    width = 0.28
+    ax.bar([i - width for i in x], [r["ideal_speedup"] for r in rows], width, label="ideal S*")
+    ax.bar(list(x), [r["speedup"] for r in rows], width, label="hf_specdec")
+    ax.bar([i + width for i in x], [r["hf_stock_speedup"] for r in rows], width, label="HF stock assisted")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xticks(list(x), labels, fontsize=7)
+    ax.set_ylabel("speedup over plain generate")
+    ax.set_title(f"Llama-3-8B shape, batch 1, synthetic acceptance, {data['meta']['gpu']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "e2e_h100.png", dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("rejection")
+    parser.add_argument("e2e")
+    parser.add_argument("--out", default="docs")
+    args = parser.parse_args()
+    out = Path(args.out)
+    plot_rejection(json.loads(Path(args.rejection).read_text()), out)
+    plot_e2e(json.loads(Path(args.e2e).read_text()), out)
+
+
+if __name__ == "__main__":
+    main()
