@@ -214,7 +214,7 @@ def main() -> None:
     all_inputs = {b: prompts(b, args.prompt_len, ragged=b > 1) for b in [1, *args.batches]}
     tables = []
     with torch.no_grad():
-        for b, inputs in all_inputs.items():
+        for inputs in all_inputs.values():
             seq = target.generate(**inputs, max_new_tokens=n_new + 8, do_sample=False)
             tables.append(table_from(seq, inputs["attention_mask"]))
     width = max(t.shape[0] for t in tables)
@@ -228,7 +228,9 @@ def main() -> None:
     t_target = forward_time(target, context, 1)
     t_draft = forward_time(draft, context, 1)
     t_verify = {k: forward_time(target, context, k + 1) for k in args.ks}
-    results["step_ms"] = dict(target=t_target * 1e3, draft=t_draft * 1e3, verify={k: v * 1e3 for k, v in t_verify.items()})
+    results["step_ms"] = dict(
+        target=t_target * 1e3, draft=t_draft * 1e3, verify={k: v * 1e3 for k, v in t_verify.items()}
+    )
     print(f"step ms: target {t_target * 1e3:.2f}, draft {t_draft * 1e3:.2f}, verify "
           + ", ".join(f"k={k}: {v * 1e3:.2f}" for k, v in t_verify.items()), flush=True)  # fmt: skip
 
@@ -272,7 +274,9 @@ def main() -> None:
     steps = spec.last_stats.num_steps
     results["phases_ms_per_step"] = {name: phases[name] / steps * 1e3 for name in PHASES}
     results["phases_ms_per_step"]["total"] = total / steps * 1e3
-    print("B=1 alpha=0.8 k=4 ms per step: " + ", ".join(f"{n} {v:.2f}" for n, v in results["phases_ms_per_step"].items()))
+    print(
+        "B=1 alpha=0.8 k=4 ms per step: " + ", ".join(f"{n} {v:.2f}" for n, v in results["phases_ms_per_step"].items())
+    )
 
     batch_rows = []
     for b in args.batches:

@@ -173,7 +173,7 @@ class SpecDecoder:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], **objects: Any) -> "SpecDecoder":
+    def from_dict(cls, data: dict[str, Any], **objects: Any) -> SpecDecoder:
         """Inverse of `to_dict`; pass `draft_model=`, `mtp_model=`, `tokenizer=`, `streamer=` as keyword arguments."""
         known = {f.name for f in fields(cls) if f.init}
         unknown = set(data) - known

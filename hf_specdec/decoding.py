@@ -244,4 +244,3 @@ class SpeculativeLoop:
         if self.logit_buffer is not None:
             logits = tuple(self.logit_buffer[:, :generated].unbind(1))
         return LoopOutput(sequences=sequences, scores=scores, logits=logits)
-

@@ -29,7 +29,7 @@ class Proposal:
     draft_probs: torch.Tensor | None = None  # [B, k, V] float32, or None for one-hot drafts
 
     @classmethod
-    def empty(cls, batch_size: int, device: torch.device) -> "Proposal":
+    def empty(cls, batch_size: int, device: torch.device) -> Proposal:
         """A proposal with no drafts for any row (k = 0)."""
         return cls(
             draft_token_ids=torch.empty(batch_size, 0, dtype=torch.long, device=device),
@@ -52,25 +52,25 @@ class Proposer(ABC):
     #: `Top1Proposer` may call `propose` on a sub-batch of the rows that speculate.
     stateless: bool = False
 
-    def attach(self, target: "PreTrainedModel") -> None:  # noqa: B027
+    def attach(self, target: PreTrainedModel) -> None:  # noqa: B027
         """Called once before the target's prefill: proposers that read the target's activations hook in here."""
 
     def detach(self) -> None:  # noqa: B027
         """Called once when the `generate` call ends, also when it fails: undo what `attach` did."""
 
-    def prefill(self, batch: "RaggedBatch", sampling: "StepSampling") -> None:  # noqa: B027
+    def prefill(self, batch: RaggedBatch, sampling: StepSampling) -> None:  # noqa: B027
         """Called once after the target's prefill, before the first `propose`."""
 
     @abstractmethod
     def propose(
         self,
-        batch: "RaggedBatch",
+        batch: RaggedBatch,
         max_draft_tokens: torch.Tensor,  # [B] int64, 0..k: row i may draft at most this many
-        sampling: "StepSampling",
+        sampling: StepSampling,
     ) -> Proposal:
         """Return up to max_draft_tokens[i] drafts for each row i of the batch."""
 
-    def commit(self, batch: "RaggedBatch", num_accepted: torch.Tensor) -> None:  # noqa: B027
+    def commit(self, batch: RaggedBatch, num_accepted: torch.Tensor) -> None:  # noqa: B027
         """Called after the step was committed (batch.lengths already include the new tokens).
 
         num_accepted [B] int64: drafts of this step that the target accepted, per row.

@@ -30,7 +30,9 @@ from hf_specdec.sampling.reference import rejection_sample_reference  # noqa: E4
 from hf_specdec.sampling.rejection import SAMPLER_ENV, rejection_sample  # noqa: E402
 
 IN_PROCESS = triton_interprets()
-interpreted = pytest.mark.skipif(not IN_PROCESS, reason="triton was imported without TRITON_INTERPRET=1: see subprocess")
+interpreted = pytest.mark.skipif(
+    not IN_PROCESS, reason="triton was imported without TRITON_INTERPRET=1: see subprocess"
+)
 REPO = Path(__file__).resolve().parents[2]
 
 # Knobs that force the GPU code paths on tiny shapes: several vocab tiles and chunks per position.
@@ -271,7 +273,12 @@ def test_kernels_in_subprocess() -> None:
 @pytest.mark.parametrize("probs", [True, False])
 def test_compiled_kernels_on_cuda_match_reference(dtype: torch.dtype, probs: bool) -> None:
     """On a GPU the compiled kernels (not the interpreter) equal the reference, at real vocabulary sizes too."""
-    for B, k, V, temperature in ((1, 1, 7, False), (37, 4, 1000, True), (64, 4, 128_256, False), (256, 8, 32_000, True)):
+    for B, k, V, temperature in (
+        (1, 1, 7, False),
+        (37, 4, 1000, True),
+        (64, 4, 128_256, False),
+        (256, 8, 32_000, True),
+    ):
         inputs = make_inputs(B, k, V, dtype=dtype, probs=probs, temperature=temperature, seed=B + k)
         inputs = {name: t.cuda() if isinstance(t, torch.Tensor) else t for name, t in inputs.items()}
         out = rejection_sample_triton(**inputs)
