@@ -72,6 +72,8 @@ class StepSampling:
         check_processors(self.processors)
         self.prefix_free = all(isinstance(p, PREFIX_FREE_PROCESSORS) for p in self.processors)
         self.row_ids = torch.arange(self.seeds.shape[0], device=self.seeds.device)  # [B] caller's row of each row
+        # Only processors with per-row state need a copy sliced to the rows they score (see `processors_for_rows`).
+        self.has_row_state = any(_has_row_state(p) for p in self.processors)
 
     def select_rows(self, keep: torch.Tensor) -> None:
         self.seeds = self.seeds[keep]
@@ -96,7 +98,9 @@ class StepSampling:
         lengths = torch.where(valid, prefix_lengths, -1)
         for length in torch.unique(lengths[valid]).tolist():
             rows, cols = (lengths == length).nonzero(as_tuple=True)
-            processors = processors_for_rows(self.processors, self.row_ids[rows.to(self.row_ids.device)])
+            processors = self.processors
+            if self.has_row_state:
+                processors = processors_for_rows(processors, self.row_ids[rows.to(self.row_ids.device)])
             scores[rows, cols] = processors(token_ids[rows, :length], logits[rows, cols])
         return scores
 
@@ -115,9 +119,15 @@ def processors_for_rows(processors: LogitsProcessorList, row_ids: torch.Tensor) 
     """
     sliced = []
     for processor in processors:
-        ignore = getattr(processor, "prompt_ignore_length", None)
-        if isinstance(processor, RepetitionPenaltyLogitsProcessor) and isinstance(ignore, torch.Tensor):
+        if _has_row_state(processor):
+            ignore = processor.prompt_ignore_length
             processor = copy.copy(processor)
             processor.prompt_ignore_length = ignore[row_ids.to(ignore.device)]
         sliced.append(processor)
     return LogitsProcessorList(sliced)
+
+
+def _has_row_state(processor: object) -> bool:
+    """Whether `processor` holds one entry per caller row (today: repetition penalty's prompt_ignore_length)."""
+    ignore = getattr(processor, "prompt_ignore_length", None)
+    return isinstance(processor, RepetitionPenaltyLogitsProcessor) and isinstance(ignore, torch.Tensor)
