@@ -70,7 +70,7 @@ def bench_combo(
     starts = np.zeros(batch_size, dtype=np.int64)  # [B]
     ends = np.full(batch_size, length, dtype=np.int64)  # [B]
     num_tokens = np.full(batch_size, k, dtype=np.int64)  # [B]
-    _, counts = ngram_search(tokens, starts, ends, num_tokens, 1, max_n, k)
+    _, counts, _ = ngram_search(tokens, starts, ends, num_tokens, 1, max_n, k)
     ours = time_median(lambda: ngram_search(tokens, starts, ends, num_tokens, 1, max_n, k), repeats)
 
     token_tensor = torch.from_numpy(tokens)  # [B, L]

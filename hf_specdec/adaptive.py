@@ -1,180 +1,323 @@
-"""Adaptive speculation length: per row and step, the draft count k that maximises tokens per second.
+"""Adaptive speculation length: per step, the verify width that maximises expected tokens per second.
 
-With per-position acceptance a, k drafts yield `(1 - a^(k+1)) / (1 - a)` tokens per step on average; a step
-whose verify is w = k + 1 wide costs `step_time(w)`, measured online from the loop's own steps (the time
-between successive proposals, drafting included, smoothed per batch size and width, kept per target model
-across calls). Each row gets `argmax_k tokens(a_row, k) / step_time(k + 1)`, and 0 unless speculating beats
-a plain one-token step by a margin, so speculation switches itself off where it does not pay. A row's
-acceptance is a decayed count with an optimistic prior: a row left at k = 0 drifts back to a probe.
+Two measured ingredients, both kept per target model across calls (weakly: they go with the model):
+
+- **What a step costs** (`StepCosts`): the first call at a batch size times one target forward of every width
+  1..k+1 (`calibrate`, right after the prefill, two passes, the faster kept), because on real hardware the cost
+  is far from linear in the width (on a 2-core CPU SmolLM2 takes 61 ms for 1 token, 105 ms for 2, 82 ms for 5).
+  What the loop adds around the forward (drafting, sampling, bookkeeping) is measured online from the loop's
+  own steps and fitted as `a + b * drafts`.
+- **What drafts are worth** (`AcceptanceStats`): for each draft key (a small category the proposer gives each
+  row's drafts: the matched n-gram length for prompt lookup, one category for draft models), the probability
+  S(j) that the first j drafts are all accepted, estimated from every verified step (censored at the drafts that
+  step had), decayed so that it follows the text, with a prior that keys not seen for a while drift back to.
+
+Each step the batch verifies at one width W (a row with fewer drafts leaves holes), so the schedule picks
+`W = argmax_W sum_rows (1 + sum_{j <= min(d_row, W-1)} S_row(j)) / cost(W)`, and W = 1 (plain decoding through
+the same forward) unless speculating beats it by a margin: speculation switches itself off where it does not
+pay. For a proposer that drafts for free (n-gram) the decision is taken after proposing, from the drafts and
+their keys; for a draft model it is taken before drafting, from the one key's statistics.
 """
 
 from __future__ import annotations
 
+import math
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from hf_specdec.batch import RaggedBatch
+from hf_specdec.proposers.base import Proposal
 from hf_specdec.schedules import SpeculationSchedule
 
-__all__ = ["AdaptiveSchedule", "StepCosts", "best_num_drafts", "expected_tokens"]
-
-#: Per-model cost tables, shared by every call on that target (the first call pays the measuring steps).
-_COSTS: weakref.WeakKeyDictionary[object, dict[str, StepCosts]] = weakref.WeakKeyDictionary()
+__all__ = ["AcceptanceStats", "AdaptiveSchedule", "StepCosts", "best_width", "context_bucket"]
 
 
-def expected_tokens(acceptance: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """Tokens a step emits on average with k drafts of per-position acceptance a: sum_{j=0..k} a^j."""
-    a = acceptance.clamp(0.0, 1.0)
-    geometric = (1 - a ** (k + 1)) / (1 - a).clamp(min=1e-6)
-    return torch.where(a >= 1 - 1e-6, (k + 1).to(a.dtype), geometric)
-
-
-def best_num_drafts(
-    acceptance: torch.Tensor,  # [B] per-position acceptance of each row
-    step_times: torch.Tensor,  # [K + 1] seconds of a step of verify width w = 1..K+1 (index w - 1)
+def best_width(
+    survival: torch.Tensor,  # [B, K] S(j): probability that a row's drafts 1..j are all accepted
+    num_drafts: torch.Tensor,  # [B] drafts each row has (0..K)
+    step_times: torch.Tensor,  # [K + 1] seconds of a step of verify width W = 1..K+1 (index W - 1)
     margin: float = 0.03,
-) -> torch.Tensor:  # [B] int64 in 0..K
-    """The k in 0..K maximising expected tokens per second for each row; 0 unless it beats plain by `margin`."""
-    ks = torch.arange(step_times.shape[0], device=acceptance.device)  # [K + 1]
-    rate = expected_tokens(acceptance[:, None].float(), ks[None, :].float()) / step_times[None, :].float()  # [B, K+1]
-    best_rate, best_k = rate.max(dim=1)  # [B]
-    plain_rate = rate[:, 0]
-    return torch.where(best_rate > plain_rate * (1 + margin), best_k, 0)
+) -> tuple[int, torch.Tensor]:
+    """The verify width W maximising expected tokens per second, and the drafts each row verifies at it ([B]).
 
-
-@dataclass
-class StepCosts:
-    """Smoothed step time per verify width (1..max_k+1) for one batch size; unseen widths are interpolated."""
-
-    max_k: int
-    smoothing: float = 0.3
-    times: dict[int, float] = field(default_factory=dict)  # width -> seconds (EMA)
-    counts: dict[int, int] = field(default_factory=dict)
-    last_seen: dict[int, int] = field(default_factory=dict)  # width -> `steps` when it was last sampled
-    steps: int = 0  # steps decided with this table (across calls)
-
-    def record(self, width: int, seconds: float) -> None:
-        n = self.counts.get(width, 0)
-        # The first sample of a width is often a warm-up outlier: the second one replaces it.
-        alpha = 1.0 if n <= 1 else self.smoothing
-        self.times[width] = alpha * seconds + (1 - alpha) * self.times.get(width, seconds)
-        self.counts[width] = n + 1
-        self.last_seen[width] = self.steps
-
-    def table(self, prior_slope: float = 0.1) -> torch.Tensor:  # [max_k + 1] seconds for widths 1..max_k+1
-        """Step time of every width: measured, else linear between measured neighbours, else extrapolated.
-
-        Past the widest measured width the slope of the measured points is used; with only the plain step
-        measured, an optimistic `prior_slope` (share of a plain step per extra width) makes the first probe.
-        """
-        known = sorted(self.times)
-        base = self.times[1]
-        out = []
-        for w in range(1, self.max_k + 2):
-            lower = max((x for x in known if x <= w), default=1)
-            upper = min((x for x in known if x >= w), default=None)
-            if upper is not None:
-                span = upper - lower
-                t = (
-                    self.times[lower]
-                    if span == 0
-                    else self.times[lower] + (w - lower) * (self.times[upper] - self.times[lower]) / span
-                )
-            else:
-                widest = known[-1]
-                slope = (self.times[widest] - base) / (widest - 1) if widest > 1 else prior_slope * base
-                t = self.times[widest] + (w - widest) * max(slope, 0.0)
-            out.append(t)
-        return torch.tensor(out)
-
-
-class AdaptiveSchedule(SpeculationSchedule):
+    At width W row r verifies min(d_r, W - 1) drafts and emits `1 + sum_{j <= that} S_r(j)` tokens on average.
+    W = 1 (no drafts) unless the best width's rate beats plain decoding's by `margin`.
     """
-    Chooses each row's k per step from its measured acceptance and the measured step costs (see module doc).
+    batch_size, max_k = survival.shape
+    ks = torch.arange(max_k + 1)  # [K + 1] drafts per row at width W = k + 1
+    accepted = torch.cat([torch.zeros(batch_size, 1), survival.float().cumsum(1)], dim=1)  # [B, K + 1]
+    used = torch.minimum(ks[None, :], num_drafts[:, None].cpu())  # [B, K + 1]
+    tokens = batch_size + accepted.gather(1, used).sum(0)  # [K + 1] expected tokens of the batch per width
+    rate = tokens / step_times[: max_k + 1].float()  # [K + 1]
+    rate[int(num_drafts.max()) + 1 :] = 0.0  # wider than any row's drafts: the verify would not be that wide
+    best = int(rate.argmax())
+    if best == 0 or rate[best] <= rate[0] * (1 + margin):
+        best = 0
+    return best + 1, used[:, best]
 
-    Args:
-        max_k (`int`): Largest k a row may get (`SpecDecoder.num_speculative_tokens`).
-        model (`object`): The target model: cost tables are kept per model (weakly) and shared across calls.
-        cost_key (`str`): Which proposer the costs belong to (e.g. `"ngram"`, `"draft:<id>"`).
-        margin (`float`, *optional*, defaults to 0.03): Speculate only when the predicted rate beats plain by this.
-        prior_acceptance (`float`, *optional*, defaults to 0.5), prior_weight (`float`, *optional*, defaults to 2):
-            The prior a row's acceptance starts from (and drifts back to while the row does not speculate).
-        decay (`float`, *optional*, defaults to 0.9): Per-step decay of a speculating row's counts.
-        idle_decay (`float`, *optional*, defaults to 0.97): Per-step decay while a row drafts nothing.
-        refresh_every (`int`, *optional*, defaults to 64): Steps after which the plain-step time is re-measured.
+
+class AcceptanceStats:
+    """
+    Per draft key, the chance S(j) that drafts 1..j are all accepted (a product-limit estimate over steps).
+
+    A step with d drafts of which a were accepted puts the key "at risk" at positions 1..min(a + 1, d) and, when
+    a < d, records a rejection at position a + 1. Counts of a key decay by `decay` per observation (recent text
+    counts more) and by `idle_decay` per step without one (a key that was switched off drifts back to the prior,
+    so it gets re-tried now and then); the prior is `prior_weight` observations of per-position acceptance
+    `prior`.
     """
 
     def __init__(
         self,
         max_k: int,
-        model: object,
-        cost_key: str,
-        margin: float = 0.03,
-        prior_acceptance: float = 0.5,
+        prior: float = 0.5,
         prior_weight: float = 2.0,
-        decay: float = 0.9,
-        idle_decay: float = 0.97,
-        refresh_every: int = 64,
+        decay: float = 0.995,
+        idle_decay: float = 0.999,
     ) -> None:
-        super().__init__(max_k)
-        self.tables = _COSTS.setdefault(model, {}) if model is not None else {}
-        self.cost_key = cost_key
-        self.margin = margin
-        self.prior_acceptance, self.prior_weight = prior_acceptance, prior_weight
+        self.max_k = max_k
+        self.prior, self.prior_weight = prior, prior_weight
         self.decay, self.idle_decay = decay, idle_decay
-        self.refresh_every = refresh_every
-        self.accepted = self.trials = torch.zeros(0)  # [B] decayed counts per row
-        self.pending: tuple[int, int, float] | None = None  # (batch size, width, start) of the step in flight
-        self.last_k: torch.Tensor | None = None  # [B] the latest budgets (for tests and stats)
+        self.at_risk = torch.zeros(0, max_k)  # [keys, K] on the host: beyond the prior
+        self.rejected = torch.zeros(0, max_k)  # [keys, K]
+
+    def _grow(self, num_keys: int) -> None:
+        if num_keys > self.at_risk.shape[0]:
+            extra = num_keys - self.at_risk.shape[0]
+            self.at_risk = torch.cat([self.at_risk, torch.zeros(extra, self.max_k)])
+            self.rejected = torch.cat([self.rejected, torch.zeros(extra, self.max_k)])
+
+    def survival(self, keys: torch.Tensor) -> torch.Tensor:  # [B, K] for keys [B] (host)
+        self._grow(int(keys.max()) + 1 if keys.numel() else 0)
+        at_risk = self.at_risk[keys] + self.prior_weight  # [B, K]
+        rejected = self.rejected[keys] + self.prior_weight * (1 - self.prior)
+        return (1 - rejected / at_risk).clamp(0, 1).cumprod(1)
+
+    def record(self, keys: torch.Tensor, drafted: torch.Tensor, accepted: torch.Tensor) -> None:
+        """One step: per row its key, drafts and accepted drafts ([B] each, host); rows with no drafts are skipped."""
+        rows = drafted > 0
+        keys, drafted, accepted = keys[rows], drafted[rows], accepted[rows]
+        self._grow(int(keys.max()) + 1 if keys.numel() else 0)
+        seen = torch.bincount(keys, minlength=self.at_risk.shape[0])  # [keys] observations this step
+        factor = torch.where(seen > 0, self.decay ** seen.double(), self.idle_decay).float()[:, None]
+        self.at_risk *= factor
+        self.rejected *= factor
+        positions = torch.arange(self.max_k)  # [K]
+        risk = (positions[None, :] < torch.minimum(accepted + 1, drafted)[:, None]).float()  # [B', K]
+        reject = (positions[None, :] == accepted[:, None]) & (accepted < drafted)[:, None]  # [B', K]
+        self.at_risk.index_add_(0, keys, risk)
+        self.rejected.index_add_(0, keys, reject.float())
+
+
+def context_bucket(context_length: float) -> int:
+    """Step costs are kept per power of two of the rows' mean context length (64 at least): longer contexts
+    make every width dearer, and wide verifies more so (SmolLM2 on 2 cores, 100 -> 1500 tokens: a 1-token
+    forward 65 -> 75 ms, a 5-token one 87 -> 164 ms)."""
+    return 1 << max(6, math.ceil(math.log2(max(context_length, 1.0))))
+
+
+@dataclass
+class MeasuredSteps:
+    """The loop's own steps at one context bucket: average seconds per verify width, and measured/calibrated."""
+
+    seconds: dict[int, float] = field(default_factory=dict)  # width -> average seconds (drafting excepted)
+    samples: dict[int, int] = field(default_factory=dict)  # width -> steps measured
+    ratio: float = 1.0  # average of measured step / calibrated forward
+
+
+@dataclass
+class StepCosts:
+    """
+    Seconds of a step of each verify width at one batch size, per context bucket.
+
+    A width the loop has run at least `min_samples` times in a context bucket costs what its steps took there
+    (an average of the loop's own steps, forward and everything around it, drafting excepted). Any other width
+    costs its calibrated forward times the bucket's `ratio`, the measured step time over the calibrated forward
+    averaged over the bucket's steps: that carries over what calibration did not see (the loop's own work, a
+    longer context, a first call in a process running slower while the allocator warms up) while keeping the
+    calibrated shape of the curve. Proposers that draft before the choice add `draft_cost` per draft. Samples
+    are clipped to 0.5..2x the calibrated forward, so a JIT compile or a hiccup of the machine is not taken for
+    the cost of a width.
+    """
+
+    forward: dict[int, float] = field(default_factory=dict)  # width -> seconds of one calibrated target forward
+    calibrated: bool = False  # False: borrowed from the nearest calibrated batch size (met mid-call)
+    contexts: dict[int, MeasuredSteps] = field(default_factory=dict)  # context bucket -> measured steps
+    draft_cost: float = 0.0  # seconds per draft token (0 for proposers that draft every step anyway)
+    smoothing: float = 0.1  # weight of a new sample
+    min_samples: int = 2
+    idle_decay: float = 0.99  # per step without drafts: a drafting cost not re-measured fades (re-try)
+
+    def calibrate(self, time_verify: Callable[[int], float], widths: range, passes: int = 3) -> None:
+        """Time a forward of every width in `widths` not yet known (each `passes` times, interleaved; fastest kept)."""
+        missing = [w for w in widths if w not in self.forward]
+        for _ in range(passes):
+            for w in missing:
+                seconds = time_verify(w)
+                self.forward[w] = min(self.forward.get(w, seconds), seconds)
+        self.calibrated = True
+
+    def at(self, bucket: int) -> MeasuredSteps:
+        """The measured steps of a context bucket; a new bucket starts from the nearest one's ratio."""
+        if bucket not in self.contexts:
+            nearest = min(self.contexts, key=lambda b: abs(math.log2(b / bucket)), default=None)
+            self.contexts[bucket] = MeasuredSteps(ratio=self.contexts[nearest].ratio if nearest else 1.0)
+        return self.contexts[bucket]
+
+    def record(self, width: int, bucket: int, step_seconds: float, draft_seconds: float | None) -> None:
+        """A step of verify width `width` in context bucket `bucket` took `step_seconds`, of which `draft_seconds`
+        drafting (None: not separated, because the proposer runs every step anyway)."""
+        if width not in self.forward:
+            return
+        steps = self.at(bucket)
+        ratio = min(max((step_seconds - (draft_seconds or 0.0)) / self.forward[width], 0.5), 2.0)
+        steps.ratio += self.smoothing * (ratio - steps.ratio)
+        seconds = ratio * self.forward[width]
+        n = steps.samples.get(width, 0)
+        steps.seconds[width] = (
+            seconds if n == 0 else steps.seconds[width] + self.smoothing * (seconds - steps.seconds[width])
+        )
+        steps.samples[width] = n + 1
+        if draft_seconds is not None and width > 1:
+            self.draft_cost += self.smoothing * (min(draft_seconds / (width - 1), self.forward[1]) - self.draft_cost)
+        elif width == 1:
+            self.draft_cost *= self.idle_decay
+
+    def step_time(self, width: int, bucket: int) -> float:
+        steps = self.at(bucket)
+        if steps.samples.get(width, 0) >= self.min_samples:
+            base = steps.seconds[width]
+        else:
+            base = self.forward[width] * steps.ratio
+        return base + self.draft_cost * (width - 1)
+
+    def table(self, max_width: int, bucket: int) -> torch.Tensor:  # [max_width] seconds of widths 1..max_width
+        return torch.tensor([self.step_time(w, bucket) for w in range(1, max_width + 1)])
+
+
+@dataclass
+class ModelMemory:
+    """What the adaptive schedule learned about one target model, per proposer (`cost_key`)."""
+
+    costs: dict[tuple[str, int], StepCosts] = field(default_factory=dict)  # (cost_key, batch size) -> costs
+    stats: dict[tuple[str, int], AcceptanceStats] = field(default_factory=dict)  # (cost_key, max_k) -> stats
+
+
+#: Per target model (weakly: it goes with the model), shared by every call on it.
+_MEMORY: weakref.WeakKeyDictionary[object, ModelMemory] = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class _Step:
+    """The step in flight: its cost table, when it started, its verify width, and how long drafting took."""
+
+    costs: StepCosts
+    bucket: int  # context bucket of the step
+    start: float
+    width: int = 1
+    propose_start: float | None = None  # set when drafting happens after the choice (draft models)
+    draft_seconds: float | None = None
+
+
+class AdaptiveSchedule(SpeculationSchedule):
+    """
+    Chooses the verify width per step and each row's drafts from measured costs and acceptance (see module doc).
+
+    Args:
+        max_k (`int`): Most drafts a row may get (`SpecDecoder.num_speculative_tokens`).
+        model (`object`): The target model: costs and statistics are kept per model (weakly), across calls.
+        cost_key (`str`): Which proposer the statistics and overheads belong to (e.g. `"ngram:1-4"`, `"draft:<id>"`).
+        propose_first (`bool`): The proposer drafts for free (n-gram): every row proposes k drafts and the choice
+            is made from them; otherwise the choice is made before drafting.
+        margin (`float`, *optional*, defaults to 0.05): Speculate only when the expected rate beats plain by this
+            (step costs are measured to a few percent on a busy machine).
+    """
+
+    def __init__(self, max_k: int, model: object, cost_key: str, propose_first: bool, margin: float = 0.05) -> None:
+        super().__init__(max_k)
+        self.memory = _MEMORY.setdefault(model, ModelMemory()) if model is not None else ModelMemory()
+        self.stats = self.memory.stats.setdefault((cost_key, max_k), AcceptanceStats(max_k))
+        self.cost_key = cost_key
+        self.propose_first = propose_first
+        self.margin = margin
+        self.time_verify: Callable[[int], float] | None = None
+        self.keys = torch.zeros(0, dtype=torch.long)  # [B] (host) draft keys of the step in flight
+        self.pending: _Step | None = None  # the step in flight
+        self.first_step = True
+        self.last_width = 1  # verify width of the latest decision (for tests and stats)
 
     def costs(self, batch_size: int) -> StepCosts:
-        return self.tables.setdefault(f"{self.cost_key}:B{batch_size}:k{self.max_k}", StepCosts(self.max_k))
+        """This batch size's costs: calibrated at a call's first step, else borrowed from the nearest batch size."""
+        costs = self.memory.costs.get((self.cost_key, batch_size))
+        widths = range(1, self.max_k + 2)
+        if costs is not None and costs.calibrated and all(w in costs.forward for w in widths):
+            return costs
+        if self.time_verify is not None:
+            costs = costs if costs is not None and costs.calibrated else StepCosts()
+            costs.calibrate(self.time_verify, widths)
+        elif costs is None or not all(w in costs.forward for w in widths):
+            known = [(abs(b - batch_size), b) for (key, b), c in self.memory.costs.items()
+                     if key == self.cost_key and c.calibrated and all(w in c.forward for w in widths)]  # fmt: skip
+            if not known:
+                raise RuntimeError("AdaptiveSchedule has no step costs: calibrate() must run after the prefill.")
+            costs = StepCosts(forward=dict(self.memory.costs[(self.cost_key, min(known)[1])].forward))
+        self.memory.costs[(self.cost_key, batch_size)] = costs
+        return costs
+
+    def calibrate(self, time_verify: Callable[[int], float]) -> None:
+        self.time_verify = time_verify
 
     def start(self, batch_size: int, device: torch.device) -> None:
-        self.accepted = torch.zeros(batch_size, device=device)
-        self.trials = torch.zeros(batch_size, device=device)
         self.pending = None
-
-    def acceptance(self) -> torch.Tensor:  # [B]
-        return (self.accepted + self.prior_acceptance * self.prior_weight) / (self.trials + self.prior_weight)
+        self.first_step = True
 
     def budgets(self, batch: RaggedBatch) -> torch.Tensor:  # [B]
         now = time.perf_counter()
-        self._close_step(now)
+        if self.pending is not None and not self.first_step:  # the call's first step pays warm-ups: not a cost
+            step = self.pending
+            step.costs.record(step.width, step.bucket, now - step.start, step.draft_seconds)
+        self.first_step = self.pending is None
         costs = self.costs(batch.batch_size)
-        costs.steps += 1
-        stale = costs.steps - costs.last_seen.get(1, -(10**9)) > self.refresh_every
-        if 1 not in costs.times or costs.counts.get(1, 0) < 2 or stale:
-            k = torch.zeros(batch.batch_size, dtype=torch.long, device=batch.device)  # measure a plain step
-        else:
-            k = best_num_drafts(self.acceptance(), costs.table().to(batch.device), self.margin)
-        self.last_k = k
-        self.pending = (batch.batch_size, 0, now)
-        return k
+        self.time_verify = None  # calibrate once per call, at the call's first batch size
+        context = float((batch.lengths - batch.pad_lengths).float().mean()) if batch.batch_size else 0.0
+        self.pending = _Step(costs, context_bucket(context), time.perf_counter())
+        full = torch.full((batch.batch_size,), self.max_k, dtype=torch.long)  # [B]
+        if self.propose_first:
+            return full.to(batch.device)
+        budget = self._choose(torch.zeros(batch.batch_size, dtype=torch.long), full).to(batch.device)
+        self.pending.propose_start = time.perf_counter()
+        return budget
+
+    def trim(self, proposal: Proposal) -> torch.Tensor:  # [B]
+        num = proposal.num_draft_tokens.cpu()
+        keys = proposal.draft_keys.cpu() if proposal.draft_keys is not None else torch.zeros_like(num)
+        self.keys = keys
+        if not self.propose_first:  # decided before drafting
+            if self.pending is not None and self.pending.propose_start is not None:
+                self.pending.draft_seconds = time.perf_counter() - self.pending.propose_start
+            return proposal.num_draft_tokens
+        return self._choose(keys, num).to(proposal.num_draft_tokens.device)
+
+    def _choose(self, keys: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:  # [B] host
+        if not bool((num_drafts > 0).any()):
+            self.last_width = 1
+            return torch.zeros_like(num_drafts)
+        assert self.pending is not None, "budgets() runs before each step's choice"
+        table = self.pending.costs.table(self.max_k + 1, self.pending.bucket)
+        width, used = best_width(self.stats.survival(keys), num_drafts, table, self.margin)
+        self.last_width = width
+        return used
 
     def observe(self, num_draft_tokens: torch.Tensor, num_accepted: torch.Tensor) -> None:
-        drafted = num_draft_tokens > 0  # [B]
-        # Each drafted position up to the first rejection is one Bernoulli trial of the acceptance a.
-        trials = num_accepted + (num_accepted < num_draft_tokens).long()  # [B]
-        decay = torch.where(drafted, self.decay, self.idle_decay)
-        self.accepted = self.accepted * decay + num_accepted.float()
-        self.trials = self.trials * decay + trials.float()
+        drafted = num_draft_tokens.cpu()
+        self.stats.record(self.keys[: drafted.shape[0]], drafted, num_accepted.cpu())
         if self.pending is not None:
-            batch_size, _, start = self.pending
-            width = 1 + int(num_draft_tokens.max().item()) if num_draft_tokens.numel() else 1
-            self.pending = (batch_size, width, start)
-
-    def _close_step(self, now: float) -> None:
-        """Attribute the time since the previous proposal to that step's batch size and verify width."""
-        if self.pending is not None and self.pending[1] > 0:
-            batch_size, width, start = self.pending
-            self.costs(batch_size).record(width, now - start)
-        self.pending = None
+            self.pending.width = 1 + int(drafted.max()) if drafted.numel() else 1
 
     def select_rows(self, keep: torch.Tensor) -> None:
-        self.accepted = self.accepted[keep]
-        self.trials = self.trials[keep]
-        # The step that retired rows cost what its batch size cost: its time is still attributed to it.
+        # The step that retired rows is attributed to the batch size it ran at; nothing per row is kept.
+        pass

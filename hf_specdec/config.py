@@ -38,10 +38,12 @@ class SpecDecoder:
         num_speculative_tokens_schedule (`str`, defaults to `"constant"`):
             How many drafts each row gets per step:
             - `"constant"`: k every step (fewer only near `max_length` or the draft's position limit).
-            - `"adaptive"`: per row and step, the k in 0..num_speculative_tokens that maximises expected tokens
-              per second, from the row's measured acceptance and the step times measured online on this device
-              (`hf_specdec.adaptive`). Speculation switches itself off (k = 0, plain decoding through the same
-              loop) where it does not pay: use it when you want never to be slower than plain decoding.
+            - `"adaptive"`: per step, the number of drafts (0..num_speculative_tokens) that maximises expected
+              tokens per second, from acceptance measured per kind of draft (for prompt lookup: the matched
+              n-gram length) and from step costs measured on this device (the first call on a model times a
+              forward of each width once; `hf_specdec.adaptive`). Speculation switches itself off (plain
+              decoding through the same loop) where it does not pay: use it when you want never to be slower
+              than plain decoding.
             - `"heuristic"`: HF's schedule, per row: +2 after a step whose drafts were all accepted, else -1 (at
               least 1, at most 32). The final k is written back to `num_speculative_tokens` (and to the draft's
               `generation_config.num_assistant_tokens`), so it persists across calls like HF's.

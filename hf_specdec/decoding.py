@@ -92,6 +92,23 @@ class SpeculativeLoop:
         if self.batch.prompt_width > 1:
             self.target.forward(self.batch.token_ids, self.batch.lengths - 1, logits_to_keep=1)
         self.proposer.prefill(self.batch, self.sampling)
+        self.proposer.calibrate(self.time_verify)
+
+    def time_verify(self, width: int) -> float:
+        """Seconds one target forward of `width` tokens per row takes right now; the forward is then undone.
+
+        It feeds whatever the scratch space past each row's tokens holds (its cost does not depend on the ids)
+        and rolls the cache back, so the sequences, the caches and the stats are as before.
+        """
+        num_new = torch.full((self.batch.batch_size,), width, dtype=torch.long, device=self.batch.device)
+        synchronize = torch.cuda.synchronize if self.batch.device.type == "cuda" else (lambda: None)
+        synchronize()
+        start = time.perf_counter()
+        self.target.forward(self.batch.token_ids, num_new)
+        synchronize()
+        seconds = time.perf_counter() - start
+        self.target.rollback(self.batch.lengths - 1)
+        return seconds
 
     def step(self) -> None:
         proposal = self.propose()

@@ -131,18 +131,19 @@ def build_proposer(spec: SpecDecoder, model: PreTrainedModel) -> Top1Proposer:
         from hf_specdec.proposers.ngram import NgramProposer
 
         inner = NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max)
-    return Top1Proposer(inner, max_draft_len=spec.max_draft_len, schedule=_build_schedule(spec, model))
+    schedule = _build_schedule(spec, model, inner)
+    return Top1Proposer(inner, max_draft_len=spec.max_draft_len, schedule=schedule)
 
 
-def _build_schedule(spec: SpecDecoder, model: PreTrainedModel) -> SpeculationSchedule | None:
+def _build_schedule(spec: SpecDecoder, model: PreTrainedModel, inner: Proposer) -> SpeculationSchedule | None:
     schedule = spec.num_speculative_tokens_schedule
     if schedule == "adaptive":
         from hf_specdec.adaptive import AdaptiveSchedule
 
-        key = {"draft": f"draft:{id(spec.draft_model)}", "mtp": f"mtp:{id(model)}"}.get(
-            spec.method, f"ngram:{spec.prompt_lookup_min}"
+        key = {"draft": f"draft:{id(spec.draft_model)}", "mtp": "mtp"}.get(
+            spec.method, f"ngram:{spec.prompt_lookup_min}-{spec.prompt_lookup_max}"
         )
-        return AdaptiveSchedule(spec.num_speculative_tokens, model, cost_key=key)
+        return AdaptiveSchedule(spec.num_speculative_tokens, model, key, propose_first=inner.proposes_cheaply)
     if schedule.startswith("heuristic"):
 
         def persist(k: int) -> None:  # HF's "heuristic" keeps the final k for the next call

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from hf_specdec.batch import RaggedBatch
+from hf_specdec.proposers.base import Proposal
 
 __all__ = ["ConfidenceThreshold", "HeuristicSchedule", "SpeculationSchedule"]
 
@@ -28,8 +29,15 @@ class SpeculationSchedule:
     def start(self, batch_size: int, device: torch.device) -> None:
         """Called once per generate call, before the first step."""
 
+    def calibrate(self, time_verify: Callable[[int], float]) -> None:
+        """Called once per call after the prefill with a function timing a target forward of a given width."""
+
     def budgets(self, batch: RaggedBatch) -> torch.Tensor:  # [B] int64 drafts each row may have this step
         return torch.full((batch.batch_size,), self.max_k, dtype=torch.long, device=batch.device)
+
+    def trim(self, proposal: Proposal) -> torch.Tensor:  # [B] int64 drafts each row keeps of those proposed
+        """After proposing: how many of each row's drafts to verify (all of them by default)."""
+        return proposal.num_draft_tokens
 
     def observe(self, num_draft_tokens: torch.Tensor, num_accepted: torch.Tensor) -> None:
         """After each step: drafts per row ([B]) and how many of them the target accepted ([B])."""

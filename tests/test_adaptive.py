@@ -1,4 +1,5 @@
-"""Adaptive speculation length: the decision function, the online cost tables, and greedy equality end to end."""
+"""Adaptive speculation length: the width choice, the acceptance statistics, the step costs, the schedule driven
+step by step against simulated costs and acceptance, and greedy equality end to end."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ from conftest import make_noisy_copy, make_prompts, spec_generate
 
 import hf_specdec
 from hf_specdec import adaptive
-from hf_specdec.adaptive import AdaptiveSchedule, StepCosts, best_num_drafts, expected_tokens
+from hf_specdec.adaptive import AcceptanceStats, AdaptiveSchedule, StepCosts, best_width, context_bucket
 from hf_specdec.batch import RaggedBatch
+from hf_specdec.proposers.base import Proposal
 
 K = 8
 
@@ -18,40 +20,104 @@ def _linear_costs(slope: float, k: int = K) -> torch.Tensor:  # [k + 1] step tim
     return 1.0 + slope * torch.arange(k + 1, dtype=torch.float32)
 
 
-def test_expected_tokens_is_the_geometric_sum():
-    a = torch.tensor([0.0, 0.5, 1.0, 0.9])
-    k = torch.tensor([4.0, 2.0, 3.0, 0.0])
-    assert torch.allclose(expected_tokens(a, k), torch.tensor([1.0, 1.75, 4.0, 1.0]))
+def _geometric(acceptance: list[float], k: int = K) -> torch.Tensor:  # [B, k] S(j) = a^j
+    return torch.tensor(acceptance)[:, None] ** torch.arange(1, k + 1)
 
 
 def test_no_speculation_when_verify_is_expensive_and_acceptance_low():
-    acceptance = torch.tensor([0.0, 0.1, 0.3])
-    assert best_num_drafts(acceptance, _linear_costs(0.5)).tolist() == [0, 0, 0]
+    width, used = best_width(_geometric([0.1, 0.3]), torch.tensor([K, K]), _linear_costs(0.5))
+    assert width == 1 and used.tolist() == [0, 0]
 
 
-def test_large_k_when_acceptance_is_high_and_verify_cheap():
-    k = best_num_drafts(torch.tensor([0.95, 0.99]), _linear_costs(0.03))
-    assert k.tolist()[1] == K and k.tolist()[0] >= 6
+def test_long_verify_when_acceptance_is_high_and_verify_cheap():
+    width, used = best_width(_geometric([0.95, 0.99]), torch.tensor([K, 5]), _linear_costs(0.03))
+    assert width == K + 1 and used.tolist() == [K, 5]  # each row verifies all its drafts at the chosen width
 
 
-def test_per_row_choice_and_margin():
+def test_cheapest_width_per_token_wins_over_a_narrower_dearer_one():
+    # A 2-core CPU's GEMMs: widths 2-3 cost more than 5 (see docs/benchmarks.md); wider ones cost more again.
+    costs = torch.tensor([1.0, 1.7, 2.1, 1.5, 1.35, 2.0, 2.2, 2.4, 2.6])
+    width, used = best_width(_geometric([0.9]), torch.tensor([K]), costs)
+    assert width == 5 and used.tolist() == [4]
+
+
+def test_never_wider_than_the_longest_draft():
+    costs = torch.tensor([1.0, 3.0, 3.0, 1.1, 1.1, 1.1, 1.1, 1.1, 1.1])  # widths 2-3 dear, 4+ cheap
+    width, used = best_width(_geometric([0.9, 0.9]), torch.tensor([2, 1]), costs)
+    assert width == 1 and used.tolist() == [0, 0]  # the verify could only be 3 wide: not worth it
+
+
+def test_margin():
     costs = _linear_costs(0.2)
-    k = best_num_drafts(torch.tensor([0.0, 0.6, 0.9]), costs)
-    assert k[0] == 0 and 0 < k[1] < k[2]
-    # A gain smaller than the margin is not taken: a = 0.22 with one draft gains 1.22 / 1.2 - 1 = 1.7% here.
-    assert best_num_drafts(torch.tensor([0.22]), costs, margin=0.03).item() == 0
-    assert best_num_drafts(torch.tensor([0.22]), costs, margin=0.0).item() == 1
+    # One draft with acceptance 0.25 gains 1.25 / 1.2 - 1 = 4%: taken with a 3% margin, not with 5%.
+    survival = torch.tensor([[0.25] + [0.0] * (K - 1)])
+    assert best_width(survival, torch.tensor([K]), costs, margin=0.03)[0] == 2
+    assert best_width(survival, torch.tensor([K]), costs, margin=0.05)[0] == 1
 
 
-def test_step_costs_interpolate_and_extrapolate():
-    costs = StepCosts(max_k=4)
-    for width, seconds in ((1, 9.0), (1, 1.0), (3, 5.0), (3, 2.0)):  # first samples are warm-up outliers
-        costs.record(width, seconds)
-    table = costs.table()
-    assert torch.allclose(table, torch.tensor([1.0, 1.5, 2.0, 2.5, 3.0]))
-    only_plain = StepCosts(max_k=2)
-    only_plain.record(1, 2.0)
-    assert torch.allclose(only_plain.table(prior_slope=0.1), torch.tensor([2.0, 2.2, 2.4]))
+def test_acceptance_stats_are_a_product_limit_estimate():
+    stats = AcceptanceStats(max_k=4, prior_weight=0.0, decay=1.0)
+    # Key 2: one step of 4 drafts with 1 accepted, one with all 4, one with 2 of 2 (censored after position 2).
+    stats.record(torch.tensor([2, 2, 2]), torch.tensor([4, 4, 2]), torch.tensor([1, 4, 2]))
+    # Position 1: 3 at risk, 0 rejected; position 2: 3 at risk, 1 rejected; 3 and 4: 1 at risk, 0 rejected.
+    expected = torch.tensor([1.0, 2 / 3, 2 / 3, 2 / 3])
+    assert torch.allclose(stats.survival(torch.tensor([2]))[0], expected)
+    # Rows without drafts are not observations.
+    stats.record(torch.tensor([2]), torch.tensor([0]), torch.tensor([0]))
+    assert torch.allclose(stats.survival(torch.tensor([2]))[0], expected)
+
+
+def test_acceptance_stats_start_at_the_prior_and_drift_back_to_it():
+    stats = AcceptanceStats(max_k=3, prior=0.5, prior_weight=2.0, decay=1.0, idle_decay=0.9)
+    assert torch.allclose(stats.survival(torch.tensor([5])), torch.tensor([[0.5, 0.25, 0.125]]))
+    for _ in range(20):
+        stats.record(torch.tensor([1]), torch.tensor([3]), torch.tensor([0]))  # key 1 always rejected
+    low = float(stats.survival(torch.tensor([1]))[0, 0])
+    assert low < 0.1
+    for _ in range(50):  # steps in which key 1 is not tried
+        stats.record(torch.tensor([3]), torch.tensor([3]), torch.tensor([3]))
+    assert float(stats.survival(torch.tensor([1]))[0, 0]) > low + 0.2
+    assert float(stats.survival(torch.tensor([3]))[0, 2]) > 0.9
+
+
+def test_step_costs_calibrate_keep_the_fastest_pass_and_only_missing_widths():
+    samples = iter([3.0, 5.0, 2.0, 4.0, 9.0, 9.0])  # passes: (w1, w2), (w1, w2), (w1, w2)
+    calls = []
+
+    def time_verify(width: int) -> float:
+        calls.append(width)
+        return next(samples)
+
+    costs = StepCosts()
+    costs.calibrate(time_verify, range(1, 3))
+    assert costs.forward == {1: 2.0, 2: 4.0} and calls == [1, 2, 1, 2, 1, 2]
+    costs.calibrate(lambda w: 1.0, range(1, 4), passes=1)
+    assert costs.forward == {1: 2.0, 2: 4.0, 3: 1.0}
+
+
+def test_step_costs_measure_widths_and_scale_the_others():
+    costs = StepCosts(forward={1: 1.0, 2: 1.5, 3: 1.2}, smoothing=1.0, min_samples=2)
+    costs.record(1, 64, step_seconds=1.2, draft_seconds=None)  # plain steps take 20% more than calibrated
+    assert costs.contexts[64].ratio == pytest.approx(1.2)
+    assert torch.allclose(costs.table(3, 64), torch.tensor([1.2, 1.8, 1.44]))  # unmeasured widths scale alike
+    costs.record(1, 64, step_seconds=1.2, draft_seconds=None)
+    costs.record(3, 64, step_seconds=1.8, draft_seconds=0.4)  # a draft model: 0.2 s per draft, 1.4 s verify
+    costs.record(3, 64, step_seconds=1.8, draft_seconds=0.4)
+    assert costs.draft_cost == pytest.approx(0.2)
+    assert costs.step_time(1, 64) == pytest.approx(1.2) and costs.step_time(3, 64) == pytest.approx(1.4 + 0.4)
+    costs.record(1, 64, step_seconds=50.0, draft_seconds=None)  # a hiccup counts as at most twice the forward
+    assert costs.contexts[64].seconds[1] == pytest.approx(2.0)
+
+
+def test_step_costs_are_kept_per_context_bucket():
+    assert [context_bucket(n) for n in (1, 64, 65, 700, 1500)] == [64, 64, 128, 1024, 2048]
+    costs = StepCosts(forward={1: 1.0, 2: 1.2}, smoothing=1.0, min_samples=1)
+    costs.record(2, 128, step_seconds=1.2, draft_seconds=None)
+    costs.record(1, 1024, step_seconds=1.5, draft_seconds=None)  # long contexts: dearer
+    costs.record(2, 1024, step_seconds=3.0, draft_seconds=None)  # and wide verifies more so
+    assert torch.allclose(costs.table(2, 128), torch.tensor([1.0, 1.2]))
+    assert torch.allclose(costs.table(2, 1024), torch.tensor([1.5, 2.4]))  # 3.0 clipped at 2x the forward
+    assert costs.at(2048).ratio == costs.contexts[1024].ratio  # a new bucket starts from the nearest one
 
 
 class FakeClock:
@@ -62,11 +128,20 @@ class FakeClock:
         return self.now
 
 
-def _simulate(monkeypatch, slope: float, acceptance: float, steps: int = 200, batch_size: int = 2) -> list[int]:
-    """Run the schedule against a simulated step cost `1 + slope * (w - 1)` and i.i.d. acceptance; return its k's."""
+def _drive(
+    monkeypatch: pytest.MonkeyPatch,
+    forward: list[float],  # seconds of a forward of width 1..K+1
+    acceptance: dict[int, float],  # draft key -> per-position acceptance
+    keys: list[int],  # each row's draft key (every row always has K drafts)
+    steps: int = 300,
+    propose_first: bool = True,
+) -> list[list[int]]:
+    """Run the schedule against simulated forwards and i.i.d. acceptance per key; return the drafts it verified."""
     clock = FakeClock()
     monkeypatch.setattr(adaptive.time, "perf_counter", clock)
-    schedule = AdaptiveSchedule(K, model=None, cost_key="sim")
+    schedule = AdaptiveSchedule(K, model=None, cost_key="sim", propose_first=propose_first)
+    schedule.calibrate(lambda width: forward[width - 1])
+    batch_size = len(keys)
     schedule.start(batch_size, torch.device("cpu"))
     batch = RaggedBatch(
         torch.zeros(batch_size, 4, dtype=torch.long),
@@ -76,28 +151,60 @@ def _simulate(monkeypatch, slope: float, acceptance: float, steps: int = 200, ba
         4,
     )
     g = torch.Generator().manual_seed(0)
-    chosen = []
+    key_tensor = torch.tensor(keys)
+    rates = torch.tensor([acceptance[key] for key in keys])[:, None]  # [B, 1]
+    verified = []
     for _ in range(steps):
-        k = schedule.budgets(batch)
-        chosen.append(int(k.max()))
-        draws = torch.rand(batch_size, K, generator=g) < acceptance  # [B, K]
+        budget = schedule.budgets(batch)  # [B]
+        num = budget.clone()
+        proposal = Proposal(torch.zeros(batch_size, K, dtype=torch.long), num, draft_keys=key_tensor)
+        used = torch.minimum(schedule.trim(proposal), budget)
+        verified.append(used.tolist())
+        draws = torch.rand(batch_size, K, generator=g) < rates  # [B, K]
         accepted = torch.where(draws.all(1), K, (~draws).int().argmax(1))
-        schedule.observe(k, torch.minimum(accepted, k))
-        clock.now += 1.0 + slope * int(k.max())
-    return chosen
+        schedule.observe(used, torch.minimum(accepted, used))
+        clock.now += forward[int(used.max())] + 0.001
+    return verified
 
 
-def test_online_schedule_switches_itself_off(monkeypatch):
-    chosen = _simulate(monkeypatch, slope=0.5, acceptance=0.05)
-    # After the first probes speculation stays off, apart from rare cheap re-probes.
-    assert sum(k > 0 for k in chosen[50:]) <= 10, chosen
-    assert sum(chosen[50:]) / 150 < 0.3
+def test_schedule_switches_itself_off_where_drafts_are_bad(monkeypatch):
+    verified = _drive(monkeypatch, forward=[1.0 + 0.5 * w for w in range(K + 1)], acceptance={1: 0.05}, keys=[1, 1])
+    late = verified[50:]
+    assert sum(max(row) > 0 for row in late) <= 10, verified[:60]
 
 
-def test_online_schedule_speculates_long_when_it_pays(monkeypatch):
-    chosen = _simulate(monkeypatch, slope=0.03, acceptance=0.95)
-    late = chosen[50:]
-    assert sum(k >= 6 for k in late) >= 0.9 * len(late), chosen
+def test_schedule_speculates_long_when_it_pays(monkeypatch):
+    verified = _drive(monkeypatch, forward=[1.0 + 0.03 * w for w in range(K + 1)], acceptance={4: 0.95}, keys=[4, 4])
+    late = verified[50:]
+    assert sum(min(row) >= 6 for row in late) >= 0.9 * len(late), verified[:60]
+
+
+def test_schedule_learns_per_key_and_picks_a_cheap_width(monkeypatch):
+    # CPU-like costs: widths 2-3 dear, 5 cheap. Key 1 drafts are poor, key 4 drafts good: at B = 1 a key-1 row
+    # decodes plainly and a key-4 row verifies at a cheap width.
+    forward = [1.0, 1.7, 2.1, 1.5, 1.35, 1.6, 1.8, 1.5, 1.6]
+    poor = _drive(monkeypatch, forward, {1: 0.15}, keys=[1])[100:]
+    good = _drive(monkeypatch, forward, {4: 0.8}, keys=[4])[100:]
+    assert sum(row[0] > 0 for row in poor) <= 10
+    widths = [row[0] + 1 for row in good]
+    assert sum(w in (5, 8, 9) for w in widths) >= 0.9 * len(widths), widths[:40]
+
+
+def test_schedule_choosing_before_drafting_gives_budgets(monkeypatch):
+    # A draft model: the choice comes before drafting, from the one key's statistics.
+    verified = _drive(monkeypatch, [1.0 + 0.05 * w for w in range(K + 1)], {0: 0.9}, keys=[0, 0], propose_first=False)
+    assert sum(min(row) >= 4 for row in verified[50:]) >= 0.9 * 250
+
+
+def test_costs_of_a_batch_size_met_mid_call_are_borrowed(monkeypatch):
+    schedule = AdaptiveSchedule(2, model=None, cost_key="sim", propose_first=True)
+    schedule.calibrate(lambda width: float(width))
+    assert schedule.costs(4).forward == {1: 1.0, 2: 2.0, 3: 3.0}
+    schedule.time_verify = None  # mid-call: no calibration; the nearest calibrated batch size lends its table
+    borrowed = schedule.costs(3)
+    assert borrowed.forward == {1: 1.0, 2: 2.0, 3: 3.0} and not borrowed.calibrated
+    schedule.calibrate(lambda width: 10.0 * width)  # a later call starting at batch size 3 calibrates it
+    assert schedule.costs(3).forward == {1: 10.0, 2: 20.0, 3: 30.0}
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])
@@ -109,8 +216,10 @@ def test_adaptive_greedy_matches_plain_generate(llama, method):
     spec = hf_specdec.SpecDecoder(
         method=method, draft_model=draft, num_speculative_tokens=6, num_speculative_tokens_schedule="adaptive"
     )
-    for _ in range(2):  # the second call reuses the cost tables learned by the first
+    for _ in range(2):  # the first call calibrates (forwards that are undone), the second reuses the tables
         assert torch.equal(spec_generate(llama, inputs, spec, **kwargs), expected)
+    memory = adaptive._MEMORY[llama]
+    assert any(costs.calibrated and len(costs.forward) == 7 for costs in memory.costs.values())
 
 
 def test_adaptive_sampling_runs_with_a_seed(llama, llama_draft):

@@ -8,6 +8,7 @@ draft tokens (`Proposal`). The decoding loop calls `prefill` once, then per step
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -27,6 +28,9 @@ class Proposal:
     draft_token_ids: torch.Tensor  # [B, k] int64, -1 past num_draft_tokens
     num_draft_tokens: torch.Tensor  # [B] int64 in 0..k
     draft_probs: torch.Tensor | None = None  # [B, k, V] float32, or None for one-hot drafts
+    #: [B] int64 >= 0: what the proposer knows about how good each row's drafts are, as a small category that the
+    #: adaptive schedule learns acceptance per (the n-gram proposer: the matched n). None: one category for all.
+    draft_keys: torch.Tensor | None = None
 
     @classmethod
     def empty(cls, batch_size: int, device: torch.device) -> Proposal:
@@ -52,6 +56,10 @@ class Proposer(ABC):
     #: `Top1Proposer` may call `propose` on a sub-batch of the rows that speculate.
     stateless: bool = False
 
+    #: True when proposing costs next to nothing next to a verify (the n-gram search): the adaptive schedule then
+    #: lets every row propose k drafts and decides from the drafts (and their `draft_keys`) how many to verify.
+    proposes_cheaply: bool = False
+
     def attach(self, target: PreTrainedModel) -> None:  # noqa: B027
         """Called once before the target's prefill: proposers that read the target's activations hook in here."""
 
@@ -60,6 +68,10 @@ class Proposer(ABC):
 
     def prefill(self, batch: RaggedBatch, sampling: StepSampling) -> None:  # noqa: B027
         """Called once after the target's prefill, before the first `propose`."""
+
+    def calibrate(self, time_verify: Callable[[int], float]) -> None:  # noqa: B027
+        """Called once after `prefill` with a function that times one target forward of a given width (seconds)
+        and undoes it; a proposer whose schedule needs step costs measures them here."""
 
     @abstractmethod
     def propose(

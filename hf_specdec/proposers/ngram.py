@@ -41,6 +41,7 @@ class NgramProposer(Proposer):
 
     returns_probs: bool = False
     stateless: bool = True
+    proposes_cheaply: bool = True
 
     def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int = 1, prompt_lookup_max: int = 4):
         if num_speculative_tokens < 1:
@@ -80,8 +81,9 @@ class NgramProposer(Proposer):
             sampling (`StepSampling`): Unused.
 
         Returns:
-            [`Proposal`]: `draft_token_ids` `[B, k']` (-1 padded) and `num_draft_tokens` `[B]` on `batch.device`,
-            with k' the largest count in the batch (0 when no row matched).
+            [`Proposal`]: `draft_token_ids` `[B, k']` (-1 padded), `num_draft_tokens` `[B]` and `draft_keys` `[B]`
+            (the n of the n-gram that matched, 0 without drafts) on `batch.device`, with k' the largest count
+            in the batch (0 when no row matched).
         """
         batch_size = batch.batch_size
         device = batch.device
@@ -94,7 +96,7 @@ class NgramProposer(Proposer):
         if width == 0 or int(num_tokens.max()) <= 0:
             return Proposal.empty(batch_size, device)
         token_ids = batch.token_ids[:, :width].to("cpu", torch.int64).contiguous().numpy()  # [B, width]
-        drafts, counts = ngram_search(
+        drafts, counts, match_lengths = ngram_search(
             token_ids,
             starts,
             ends,
@@ -106,4 +108,5 @@ class NgramProposer(Proposer):
         k_used = int(counts.max())
         draft_token_ids = torch.from_numpy(drafts[:, :k_used].copy()).to(device)  # [B, k_used]
         num_draft_tokens = torch.from_numpy(counts).to(device)  # [B]
-        return Proposal(draft_token_ids=draft_token_ids, num_draft_tokens=num_draft_tokens, draft_probs=None)
+        draft_keys = torch.from_numpy(match_lengths).to(device)  # [B] the matched n: longer matches are surer
+        return Proposal(draft_token_ids, num_draft_tokens, draft_probs=None, draft_keys=draft_keys)

@@ -29,8 +29,8 @@ def _search_row(
     max_n: int,
     drafts_row: np.ndarray,  # [k] int64, -1 filled; the first `count` slots are written
     z: np.ndarray,  # [max_n] int64 scratch
-) -> int:
-    """Search one row; returns the number of drafts written. Compiled by numba.
+) -> tuple[int, int]:
+    """Search one row; returns (drafts written, length n of the matched n-gram, 0 without drafts). Numba-compiled.
 
     The context is read reversed: r[q] = row[end - 1 - q]. For p >= 1, the capped Z-value
     z(p) = min(LCP(r, r[p:]), M) with M = min(max_n, end - start - 1) is the length of the longest suffix
@@ -40,7 +40,7 @@ def _search_row(
     """
     m = end - start
     if want <= 0 or m - 1 < min_n:
-        return 0
+        return 0, 0
     cap_all = min(max_n, m - 1)  # M: no suffix longer than this can occur earlier
     last = end - 1
     best_len = 0
@@ -100,13 +100,13 @@ def _search_row(
                 break
         p += 1
     if best_len < min_n:
-        return 0
+        return 0, 0
     # The match ends at context index j = m - 1 - best_p; its continuation has best_p tokens.
     count = min(want, best_p)
     first = end - best_p  # = start + j + 1
     for t in range(count):
         drafts_row[t] = row[first + t]
-    return count
+    return count, best_len
 
 
 def _search_batch_parallel(
@@ -119,12 +119,15 @@ def _search_batch_parallel(
     k: int,
     drafts: np.ndarray,  # [B, k] int64, -1 filled
     counts: np.ndarray,  # [B] int64, zero filled
+    match_lengths: np.ndarray,  # [B] int64, zero filled
     z_scratch: np.ndarray,  # [B, max_n] int64
 ) -> None:
     """All rows, one per `prange` iteration (compiled with parallel=True)."""
     for i in _prange(token_ids.shape[0]):
         want = min(num_tokens[i], k)
-        counts[i] = _search_row(token_ids[i], starts[i], ends[i], want, min_n, max_n, drafts[i], z_scratch[i])
+        counts[i], match_lengths[i] = _search_row(
+            token_ids[i], starts[i], ends[i], want, min_n, max_n, drafts[i], z_scratch[i]
+        )
 
 
 def _search_batch_serial(
@@ -137,12 +140,15 @@ def _search_batch_serial(
     k: int,
     drafts: np.ndarray,  # [B, k] int64, -1 filled
     counts: np.ndarray,  # [B] int64, zero filled
+    match_lengths: np.ndarray,  # [B] int64, zero filled
     z_scratch: np.ndarray,  # [B, max_n] int64
 ) -> None:
     """All rows in one thread: no thread-pool wake-up, for small batches."""
     for i in range(token_ids.shape[0]):
         want = min(num_tokens[i], k)
-        counts[i] = _search_row(token_ids[i], starts[i], ends[i], want, min_n, max_n, drafts[i], z_scratch[i])
+        counts[i], match_lengths[i] = _search_row(
+            token_ids[i], starts[i], ends[i], want, min_n, max_n, drafts[i], z_scratch[i]
+        )
 
 
 # The kernels above are plain Python until `_get_kernels` jit-compiles them; it rebinds `_search_row` and
@@ -233,7 +239,7 @@ def ngram_search(
     max_n: int,
     k: int,
     parallel: bool | None = None,
-) -> tuple[np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """
     Prompt-lookup drafts for a batch of rows (numba kernel, rows in parallel for big batches).
 
@@ -259,25 +265,40 @@ def ngram_search(
             when the batch holds at least `PARALLEL_MIN_TOKENS` context tokens.
 
     Returns:
-        `tuple[np.ndarray, np.ndarray]`: `drafts` of shape `(B, k)` int64 padded with -1, and `counts` of
-        shape `(B,)` int64 (valid drafts per row, 0 when nothing matched).
+        `tuple[np.ndarray, np.ndarray, np.ndarray]`: `drafts` of shape `(B, k)` int64 padded with -1, `counts` of
+        shape `(B,)` int64 (valid drafts per row, 0 when nothing matched), and `match_lengths` of shape `(B,)`
+        int64 (the n of the n-gram that matched, 0 for rows without drafts): longer matches are accepted more
+        often, which the adaptive schedule uses.
     """
     token_ids, starts, ends, num_tokens = _validate(token_ids, starts, ends, num_tokens, min_n, max_n, k)
     batch_size = token_ids.shape[0]
     drafts = np.full((batch_size, int(k)), -1, dtype=np.int64)  # [B, k]
     counts = np.zeros(batch_size, dtype=np.int64)  # [B]
+    match_lengths = np.zeros(batch_size, dtype=np.int64)  # [B]
     if batch_size == 0 or k == 0:
-        return drafts, counts
+        return drafts, counts, match_lengths
     z_scratch = np.empty((batch_size, int(max_n)), dtype=np.int64)  # [B, max_n]
     serial_kernel, parallel_kernel = _get_kernels()
     if parallel is None:
         parallel = batch_size > 1 and int((ends - starts).sum()) >= PARALLEL_MIN_TOKENS
-    args = (token_ids, starts, ends, num_tokens, int(min_n), int(max_n), int(k), drafts, counts, z_scratch)
+    args = (
+        token_ids,
+        starts,
+        ends,
+        num_tokens,
+        int(min_n),
+        int(max_n),
+        int(k),
+        drafts,
+        counts,
+        match_lengths,
+        z_scratch,
+    )
     if not parallel:
         serial_kernel(*args)
     else:
         _run_parallel(parallel_kernel, args)
-    return drafts, counts
+    return drafts, counts, match_lengths
 
 
 def _run_parallel(kernel: Callable[..., None], args: tuple) -> None:
@@ -308,7 +329,7 @@ def ngram_search_reference(
     min_n: int,
     max_n: int,
     k: int,
-) -> tuple[np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """
     Pure-Python, obviously-correct version of [`ngram_search`] with identical semantics (for tests).
 
@@ -318,6 +339,7 @@ def ngram_search_reference(
     batch_size = token_ids.shape[0]
     drafts = np.full((batch_size, int(k)), -1, dtype=np.int64)  # [B, k]
     counts = np.zeros(batch_size, dtype=np.int64)  # [B]
+    match_lengths = np.zeros(batch_size, dtype=np.int64)  # [B]
     for i in range(batch_size):
         c = token_ids[i, starts[i] : ends[i]].tolist()
         m = len(c)
@@ -331,5 +353,6 @@ def ngram_search_reference(
                 cont = c[match + 1 : match + 1 + want]
                 drafts[i, : len(cont)] = cont
                 counts[i] = len(cont)
+                match_lengths[i] = n if cont else 0
                 break
-    return drafts, counts
+    return drafts, counts, match_lengths

@@ -10,6 +10,7 @@ place where per-row draft budgets are decided.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -76,6 +77,11 @@ class Top1Proposer(Proposer):
     def attach(self, target: PreTrainedModel) -> None:
         self.inner.attach(target)
 
+    def calibrate(self, time_verify: Callable[[int], float]) -> None:
+        if self.schedule is not None:
+            self.schedule.calibrate(time_verify)
+        self.inner.calibrate(time_verify)
+
     def detach(self) -> None:
         self.inner.detach()
 
@@ -107,6 +113,8 @@ class Top1Proposer(Proposer):
             )
         else:
             proposal = self.inner.propose(batch, budget, sampling)
+        if self.schedule is not None:  # a schedule may keep fewer of the drafts it has seen (e.g. by their keys)
+            budget = torch.minimum(budget, self.schedule.trim(proposal))
         proposal = _clip(proposal, budget)
         self.last_num_draft_tokens = proposal.num_draft_tokens
         return proposal
@@ -136,11 +144,14 @@ class Top1Proposer(Proposer):
         ids[rows] = sub.draft_token_ids
         num = torch.zeros(batch_size, dtype=torch.long, device=device)  # [B]
         num[rows] = sub.num_draft_tokens
-        probs = None
+        probs = keys = None
         if sub.draft_probs is not None:
             probs = sub.draft_probs.new_zeros((batch_size, *sub.draft_probs.shape[1:]))  # [B, k, V]
             probs[rows] = sub.draft_probs
-        return Proposal(draft_token_ids=ids, num_draft_tokens=num, draft_probs=probs)
+        if sub.draft_keys is not None:
+            keys = torch.zeros(batch_size, dtype=torch.long, device=device)  # [B]
+            keys[rows] = sub.draft_keys
+        return Proposal(draft_token_ids=ids, num_draft_tokens=num, draft_probs=probs, draft_keys=keys)
 
 
 def _sub_batch(batch: RaggedBatch, rows: torch.Tensor) -> RaggedBatch:
@@ -162,4 +173,4 @@ def _clip(proposal: Proposal, budget: torch.Tensor) -> Proposal:
     probs = proposal.draft_probs
     if probs is not None:
         probs = probs[:, :width] * drafted[:, :, None]  # [B, k, V]
-    return Proposal(draft_token_ids=ids, num_draft_tokens=num, draft_probs=probs)
+    return Proposal(draft_token_ids=ids, num_draft_tokens=num, draft_probs=probs, draft_keys=proposal.draft_keys)

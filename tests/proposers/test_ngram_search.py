@@ -22,14 +22,24 @@ from hf_specdec.proposers.ngram_search import ngram_search, ngram_search_referen
 BOTH = pytest.mark.parametrize("search", [ngram_search, ngram_search_reference], ids=["numba", "reference"])
 
 
-def _one(search, context: list[int], min_n: int, max_n: int, k: int, num_tokens: int | None = None, pad: int = 0):
-    """Run a single row (with `pad` left-padding tokens of value 7) and return its drafts as a list."""
+def _one_with_length(
+    search, context: list[int], min_n: int, max_n: int, k: int, num_tokens: int | None = None, pad: int = 0
+) -> tuple[list[int], int]:
+    """Run a single row (with `pad` left-padding tokens of value 7); return its drafts and the matched n."""
     tokens = np.array([[7] * pad + context], dtype=np.int64)  # [1, L]
     n = k if num_tokens is None else num_tokens
-    drafts, counts = search(tokens, np.array([pad]), np.array([pad + len(context)]), np.array([n]), min_n, max_n, k)
-    assert drafts.shape == (1, k) and counts.shape == (1,)
+    drafts, counts, match_lengths = search(
+        tokens, np.array([pad]), np.array([pad + len(context)]), np.array([n]), min_n, max_n, k
+    )
+    assert drafts.shape == (1, k) and counts.shape == (1,) and match_lengths.shape == (1,)
     assert (drafts[0, counts[0] :] == -1).all()
-    return drafts[0, : counts[0]].tolist()
+    assert (match_lengths[0] == 0) == (counts[0] == 0)
+    return drafts[0, : counts[0]].tolist(), int(match_lengths[0])
+
+
+def _one(search, context: list[int], min_n: int, max_n: int, k: int, num_tokens: int | None = None, pad: int = 0):
+    """The drafts of `_one_with_length`."""
+    return _one_with_length(search, context, min_n, max_n, k, num_tokens, pad)[0]
 
 
 @BOTH
@@ -37,9 +47,9 @@ def test_longest_ngram_wins(search):
     # Suffix [1, 2, 3]: the 3-gram occurs at the start (followed by 4); the 1-gram [3] occurs more recently
     # (followed by 9) but the longer match wins.
     context = [1, 2, 3, 4, 5, 3, 9, 1, 2, 3]
-    assert _one(search, context, 1, 3, 2) == [4, 5]
+    assert _one_with_length(search, context, 1, 3, 2) == ([4, 5], 3)
     # Capped at max_n = 1, the most recent 1-gram wins.
-    assert _one(search, context, 1, 1, 2) == [9, 1]
+    assert _one_with_length(search, context, 1, 1, 2) == ([9, 1], 1)
 
 
 @BOTH
@@ -87,8 +97,8 @@ def test_num_tokens_zero_and_k_small(search):
     assert _one(search, context, 1, 2, 4, num_tokens=0) == []
     assert _one(search, context, 1, 2, 4, num_tokens=2) == [3, 4]
     assert _one(search, context, 1, 2, 3, num_tokens=10) == [3, 4, 5]
-    drafts, counts = search(np.array([context]), np.array([0]), np.array([8]), np.array([3]), 1, 2, 0)
-    assert drafts.shape == (1, 0) and counts.tolist() == [0]
+    drafts, counts, match_lengths = search(np.array([context]), np.array([0]), np.array([8]), np.array([3]), 1, 2, 0)
+    assert drafts.shape == (1, 0) and counts.tolist() == [0] and match_lengths.tolist() == [0]
 
 
 @BOTH
@@ -104,8 +114,9 @@ def test_batch_with_different_starts_and_ends(search):
     starts = np.array([2, 0, 4, 3])
     ends = np.array([7, 5, 4, 9])
     num_tokens = np.array([4, 2, 4, 3])
-    drafts, counts = search(tokens, starts, ends, num_tokens, 1, 3, 4)
+    drafts, counts, match_lengths = search(tokens, starts, ends, num_tokens, 1, 3, 4)
     assert counts.tolist() == [3, 2, 0, 3]
+    assert match_lengths.tolist() == [2, 3, 0, 2]
     assert drafts.tolist() == [[3, 1, 2, -1], [5, 4, -1, -1], [-1] * 4, [3, 3, 6, -1]]
 
 
@@ -117,9 +128,8 @@ def test_parallel_and_serial_agree():
     num_tokens = rng.integers(0, 6, size=16)
     expected = ngram_search_reference(tokens, starts, ends, num_tokens, 1, 5, 5)
     for parallel in (False, True):
-        drafts, counts = ngram_search(tokens, starts, ends, num_tokens, 1, 5, 5, parallel=parallel)
-        np.testing.assert_array_equal(drafts, expected[0])
-        np.testing.assert_array_equal(counts, expected[1])
+        for got, want in zip(ngram_search(tokens, starts, ends, num_tokens, 1, 5, 5, parallel=parallel), expected):
+            np.testing.assert_array_equal(got, want)
 
 
 def test_parallel_call_keeps_torch_thread_count():
@@ -161,10 +171,11 @@ def _batches(draw):
 @settings(max_examples=250, deadline=None)
 @given(_batches(), st.booleans())
 def test_matches_reference(args, parallel):
-    drafts, counts = ngram_search(*args, parallel=parallel)
-    ref_drafts, ref_counts = ngram_search_reference(*args)
+    drafts, counts, match_lengths = ngram_search(*args, parallel=parallel)
+    ref_drafts, ref_counts, ref_match_lengths = ngram_search_reference(*args)
     np.testing.assert_array_equal(counts, ref_counts)
     np.testing.assert_array_equal(drafts, ref_drafts)
+    np.testing.assert_array_equal(match_lengths, ref_match_lengths)
 
 
 def test_long_periodic_context_matches_reference():
