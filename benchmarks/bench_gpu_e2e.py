@@ -170,6 +170,28 @@ def phase_timer() -> Iterator[dict[str, float]]:
             setattr(decoding.SpeculativeLoop, name, fn)
 
 
+def adaptive_row(target, draft, inputs, expected, alpha: float, k: int, t_plain: float, gen: dict) -> dict:  # noqa: ANN001
+    """hf_specdec with the adaptive schedule at one alpha: acceptance learned afresh (the cost tables are kept)."""
+    from hf_specdec import adaptive
+
+    adaptive._MEMORY.get(target, adaptive.ModelMemory()).stats.clear()  # a new alpha is a new workload
+    spec = hf_specdec.SpecDecoder(
+        draft_model=draft, num_speculative_tokens=k, num_speculative_tokens_schedule="adaptive"
+    )
+    run = lambda: target.generate(**inputs, custom_generate=hf_specdec.generate, spec_decoder=spec, **gen)  # noqa: E731
+    with torch.no_grad():
+        ours = run()  # warm-up: calibrates the step costs on the first call, learns acceptance
+        t_ours = timed(run)
+    stats = spec.last_stats
+    row = dict(alpha=alpha, k="adaptive", max_k=k, tps_plain=gen["max_new_tokens"] / t_plain,
+               tps_ours=gen["max_new_tokens"] / t_ours, speedup=t_plain / t_ours, acceptance=stats.acceptance_rate,
+               drafts_per_step=stats.num_draft_tokens / max(stats.num_steps, 1),
+               identical_to_plain=bool(torch.equal(ours, expected)))  # fmt: skip
+    print(f"B=1 alpha={alpha} adaptive (k <= {k}): {row['tps_ours']:.1f} tok/s ({row['speedup']:.2f}x plain), "
+          f"{row['drafts_per_step']:.2f} drafts/step, identical {row['identical_to_plain']}", flush=True)  # fmt: skip
+    return row
+
+
 def prompts(batch: int, length: int, ragged: bool) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(batch)
     lengths = torch.randint(length // 2, length + 1, (batch,), generator=g) if ragged else torch.full((batch,), length)
@@ -190,6 +212,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--out", default=None)
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU: a dry run of the script")
+    parser.add_argument("--adaptive", action="store_true",
+                        help="also run num_speculative_tokens_schedule='adaptive' (k <= max(--ks)) at each alpha")  # fmt: skip
     args = parser.parse_args()
     global DEVICE
     if args.tiny:
@@ -263,6 +287,8 @@ def main() -> None:
                   f"hf_specdec {row['tps_ours']:.1f} ({row['speedup']:.2f}x plain, {row['vs_hf_stock']:.2f}x HF stock), "
                   f"S* {ideal:.2f}, efficiency {row['efficiency']:.2f}, acc {row['acceptance']:.2f}, "
                   f"identical {row['identical_to_plain']}", flush=True)  # fmt: skip
+        if args.adaptive:
+            rows.append(adaptive_row(target, draft, inputs, expected, alpha, max(args.ks), t_plain, gen))
     results["batch1"] = rows
 
     draft.alpha = 0.8

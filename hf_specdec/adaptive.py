@@ -3,10 +3,11 @@
 Two measured ingredients, both kept per target model across calls (weakly: they go with the model):
 
 - **What a step costs** (`StepCosts`): the first call at a batch size times one target forward of every width
-  1..k+1 (`calibrate`, right after the prefill, two passes, the faster kept), because on real hardware the cost
-  is far from linear in the width (on a 2-core CPU SmolLM2 takes 61 ms for 1 token, 105 ms for 2, 82 ms for 5).
-  What the loop adds around the forward (drafting, sampling, bookkeeping) is measured online from the loop's
-  own steps and fitted as `a + b * drafts`.
+  1..k+1 (`calibrate`, right after the prefill, three passes, the fastest kept), because on real hardware the
+  cost is far from linear in the width (on a 2-core CPU SmolLM2 takes 61 ms for 1 token, 105 ms for 2, 82 ms
+  for 5). The loop's own steps then refine it, per context-length bucket (long contexts make wide verifies
+  dearer): a width measured in a bucket costs what it took there; others scale the calibrated forward like the
+  bucket's plain steps and add the measured drafting cost per draft (draft models).
 - **What drafts are worth** (`AcceptanceStats`): for each draft key (a small category the proposer gives each
   row's drafts: the matched n-gram length for prompt lookup, one category for draft models), the probability
   S(j) that the first j drafts are all accepted, estimated from every verified step (censored at the drafts that
@@ -68,13 +69,13 @@ class AcceptanceStats:
     a < d, records a rejection at position a + 1. Counts of a key decay by `decay` per observation (recent text
     counts more) and by `idle_decay` per step without one (a key that was switched off drifts back to the prior,
     so it gets re-tried now and then); the prior is `prior_weight` observations of per-position acceptance
-    `prior`.
+    `prior`, optimistic, so that every kind of draft is tried before it is judged.
     """
 
     def __init__(
         self,
         max_k: int,
-        prior: float = 0.5,
+        prior: float = 0.9,
         prior_weight: float = 2.0,
         decay: float = 0.995,
         idle_decay: float = 0.999,
@@ -100,8 +101,12 @@ class AcceptanceStats:
     def record(self, keys: torch.Tensor, drafted: torch.Tensor, accepted: torch.Tensor) -> None:
         """One step: per row its key, drafts and accepted drafts ([B] each, host); rows with no drafts are skipped."""
         rows = drafted > 0
+        if not bool(rows.any()):  # a plain step: every key is idle
+            self.at_risk *= self.idle_decay
+            self.rejected *= self.idle_decay
+            return
         keys, drafted, accepted = keys[rows], drafted[rows], accepted[rows]
-        self._grow(int(keys.max()) + 1 if keys.numel() else 0)
+        self._grow(int(keys.max()) + 1)
         seen = torch.bincount(keys, minlength=self.at_risk.shape[0])  # [keys] observations this step
         factor = torch.where(seen > 0, self.decay ** seen.double(), self.idle_decay).float()[:, None]
         self.at_risk *= factor
@@ -122,35 +127,35 @@ def context_bucket(context_length: float) -> int:
 
 @dataclass
 class MeasuredSteps:
-    """The loop's own steps at one context bucket: average seconds per verify width, and measured/calibrated."""
+    """The loop's own steps at one context bucket: average seconds per verify width, and plain step / forward."""
 
-    seconds: dict[int, float] = field(default_factory=dict)  # width -> average seconds (drafting excepted)
+    seconds: dict[int, float] = field(default_factory=dict)  # width -> average seconds of a whole step
     samples: dict[int, int] = field(default_factory=dict)  # width -> steps measured
-    ratio: float = 1.0  # average of measured step / calibrated forward
+    ratio: float = 1.0  # average of a plain (width 1) step over the calibrated 1-token forward
 
 
 @dataclass
 class StepCosts:
     """
-    Seconds of a step of each verify width at one batch size, per context bucket.
+    Seconds of a whole step (drafting, verify and the loop's work) of each verify width at one batch size, per
+    context bucket.
 
-    A width the loop has run at least `min_samples` times in a context bucket costs what its steps took there
-    (an average of the loop's own steps, forward and everything around it, drafting excepted). Any other width
-    costs its calibrated forward times the bucket's `ratio`, the measured step time over the calibrated forward
-    averaged over the bucket's steps: that carries over what calibration did not see (the loop's own work, a
-    longer context, a first call in a process running slower while the allocator warms up) while keeping the
-    calibrated shape of the curve. Proposers that draft before the choice add `draft_cost` per draft. Samples
-    are clipped to 0.5..2x the calibrated forward, so a JIT compile or a hiccup of the machine is not taken for
-    the cost of a width.
+    A width the loop has run at least `min_samples` times in a context bucket costs what its steps took there.
+    Any other width W costs `forward[W] * ratio + draft_cost * (W - 1)`: the calibrated forward scaled like the
+    bucket's plain steps (which carries over what calibration did not see: the loop's own work, a longer context,
+    a first call in a process running slower while the allocator warms up) plus the drafting, measured as what
+    wide steps took beyond their scaled forward (0 for proposers that draft every step: their cost is in every
+    step, plain ones included). Samples are clipped to 0.5..2x the calibrated forward (plus drafting), so a JIT
+    compile or a hiccup of the machine is not taken for the cost of a width.
     """
 
     forward: dict[int, float] = field(default_factory=dict)  # width -> seconds of one calibrated target forward
     calibrated: bool = False  # False: borrowed from the nearest calibrated batch size (met mid-call)
     contexts: dict[int, MeasuredSteps] = field(default_factory=dict)  # context bucket -> measured steps
-    draft_cost: float = 0.0  # seconds per draft token (0 for proposers that draft every step anyway)
+    draft_cost: float = 0.0  # seconds per draft token, for proposers that draft only when asked to
     smoothing: float = 0.1  # weight of a new sample
     min_samples: int = 2
-    idle_decay: float = 0.99  # per step without drafts: a drafting cost not re-measured fades (re-try)
+    idle_decay: float = 0.99  # per plain step: a drafting cost not re-measured fades (speculation is re-tried)
 
     def calibrate(self, time_verify: Callable[[int], float], widths: range, passes: int = 3) -> None:
         """Time a forward of every width in `widths` not yet known (each `passes` times, interleaved; fastest kept)."""
@@ -168,32 +173,31 @@ class StepCosts:
             self.contexts[bucket] = MeasuredSteps(ratio=self.contexts[nearest].ratio if nearest else 1.0)
         return self.contexts[bucket]
 
-    def record(self, width: int, bucket: int, step_seconds: float, draft_seconds: float | None) -> None:
-        """A step of verify width `width` in context bucket `bucket` took `step_seconds`, of which `draft_seconds`
-        drafting (None: not separated, because the proposer runs every step anyway)."""
+    def record(self, width: int, bucket: int, seconds: float, drafts_separately: bool) -> None:
+        """A step of verify width `width` in context bucket `bucket` took `seconds`; `drafts_separately`: the
+        proposer drafted only for this width (a draft model), so the step's cost beyond its forward is drafting."""
         if width not in self.forward:
             return
         steps = self.at(bucket)
-        ratio = min(max((step_seconds - (draft_seconds or 0.0)) / self.forward[width], 0.5), 2.0)
-        steps.ratio += self.smoothing * (ratio - steps.ratio)
-        seconds = ratio * self.forward[width]
+        scaled = self.forward[width] * steps.ratio  # the forward as this bucket's plain steps suggest
+        drafting = self.draft_cost * (width - 1) if drafts_separately else 0.0
+        seconds = min(max(seconds, 0.5 * scaled), 2.0 * scaled + 2.0 * drafting)
+        if width == 1:
+            steps.ratio += self.smoothing * (seconds / self.forward[1] - steps.ratio)
+            self.draft_cost *= self.idle_decay
+        elif drafts_separately:
+            self.draft_cost += self.smoothing * (max(seconds - scaled, 0.0) / (width - 1) - self.draft_cost)
         n = steps.samples.get(width, 0)
         steps.seconds[width] = (
             seconds if n == 0 else steps.seconds[width] + self.smoothing * (seconds - steps.seconds[width])
         )
         steps.samples[width] = n + 1
-        if draft_seconds is not None and width > 1:
-            self.draft_cost += self.smoothing * (min(draft_seconds / (width - 1), self.forward[1]) - self.draft_cost)
-        elif width == 1:
-            self.draft_cost *= self.idle_decay
 
     def step_time(self, width: int, bucket: int) -> float:
         steps = self.at(bucket)
         if steps.samples.get(width, 0) >= self.min_samples:
-            base = steps.seconds[width]
-        else:
-            base = self.forward[width] * steps.ratio
-        return base + self.draft_cost * (width - 1)
+            return steps.seconds[width]
+        return self.forward[width] * steps.ratio + self.draft_cost * (width - 1)
 
     def table(self, max_width: int, bucket: int) -> torch.Tensor:  # [max_width] seconds of widths 1..max_width
         return torch.tensor([self.step_time(w, bucket) for w in range(1, max_width + 1)])
@@ -213,14 +217,12 @@ _MEMORY: weakref.WeakKeyDictionary[object, ModelMemory] = weakref.WeakKeyDiction
 
 @dataclass
 class _Step:
-    """The step in flight: its cost table, when it started, its verify width, and how long drafting took."""
+    """The step in flight: its cost table, context bucket, start time and verify width."""
 
     costs: StepCosts
     bucket: int  # context bucket of the step
     start: float
     width: int = 1
-    propose_start: float | None = None  # set when drafting happens after the choice (draft models)
-    draft_seconds: float | None = None
 
 
 class AdaptiveSchedule(SpeculationSchedule):
@@ -279,7 +281,7 @@ class AdaptiveSchedule(SpeculationSchedule):
         now = time.perf_counter()
         if self.pending is not None and not self.first_step:  # the call's first step pays warm-ups: not a cost
             step = self.pending
-            step.costs.record(step.width, step.bucket, now - step.start, step.draft_seconds)
+            step.costs.record(step.width, step.bucket, now - step.start, drafts_separately=not self.propose_first)
         self.first_step = self.pending is None
         costs = self.costs(batch.batch_size)
         self.time_verify = None  # calibrate once per call, at the call's first batch size
@@ -288,17 +290,13 @@ class AdaptiveSchedule(SpeculationSchedule):
         full = torch.full((batch.batch_size,), self.max_k, dtype=torch.long)  # [B]
         if self.propose_first:
             return full.to(batch.device)
-        budget = self._choose(torch.zeros(batch.batch_size, dtype=torch.long), full).to(batch.device)
-        self.pending.propose_start = time.perf_counter()
-        return budget
+        return self._choose(torch.zeros(batch.batch_size, dtype=torch.long), full).to(batch.device)
 
     def trim(self, proposal: Proposal) -> torch.Tensor:  # [B]
         num = proposal.num_draft_tokens.cpu()
         keys = proposal.draft_keys.cpu() if proposal.draft_keys is not None else torch.zeros_like(num)
         self.keys = keys
         if not self.propose_first:  # decided before drafting
-            if self.pending is not None and self.pending.propose_start is not None:
-                self.pending.draft_seconds = time.perf_counter() - self.pending.propose_start
             return proposal.num_draft_tokens
         return self._choose(keys, num).to(proposal.num_draft_tokens.device)
 

@@ -97,26 +97,37 @@ def test_step_costs_calibrate_keep_the_fastest_pass_and_only_missing_widths():
 
 def test_step_costs_measure_widths_and_scale_the_others():
     costs = StepCosts(forward={1: 1.0, 2: 1.5, 3: 1.2}, smoothing=1.0, min_samples=2)
-    costs.record(1, 64, step_seconds=1.2, draft_seconds=None)  # plain steps take 20% more than calibrated
+    costs.record(1, 64, 1.2, drafts_separately=False)  # plain steps take 20% more than calibrated
     assert costs.contexts[64].ratio == pytest.approx(1.2)
     assert torch.allclose(costs.table(3, 64), torch.tensor([1.2, 1.8, 1.44]))  # unmeasured widths scale alike
-    costs.record(1, 64, step_seconds=1.2, draft_seconds=None)
-    costs.record(3, 64, step_seconds=1.8, draft_seconds=0.4)  # a draft model: 0.2 s per draft, 1.4 s verify
-    costs.record(3, 64, step_seconds=1.8, draft_seconds=0.4)
+    costs.record(1, 64, 1.2, drafts_separately=False)
+    costs.record(3, 64, 1.3, drafts_separately=False)
+    costs.record(3, 64, 1.3, drafts_separately=False)  # measured twice: its own average from now on
+    assert costs.step_time(1, 64) == pytest.approx(1.2) and costs.step_time(3, 64) == pytest.approx(1.3)
+    assert costs.draft_cost == 0.0  # n-gram: proposing is part of every step
+    costs.record(1, 64, 50.0, drafts_separately=False)  # a hiccup counts as at most twice the scaled forward
+    assert costs.contexts[64].seconds[1] == pytest.approx(2.4)
+
+
+def test_step_costs_learn_a_draft_models_cost_per_draft():
+    costs = StepCosts(forward={1: 1.0, 2: 1.1, 3: 1.2}, smoothing=1.0, min_samples=5)
+    costs.record(1, 64, 1.0, drafts_separately=True)
+    costs.record(3, 64, 1.6, drafts_separately=True)  # 0.4 s beyond the forward for 2 drafts
     assert costs.draft_cost == pytest.approx(0.2)
-    assert costs.step_time(1, 64) == pytest.approx(1.2) and costs.step_time(3, 64) == pytest.approx(1.4 + 0.4)
-    costs.record(1, 64, step_seconds=50.0, draft_seconds=None)  # a hiccup counts as at most twice the forward
-    assert costs.contexts[64].seconds[1] == pytest.approx(2.0)
+    assert costs.step_time(2, 64) == pytest.approx(1.1 + 0.2)  # unmeasured: forward plus one draft
+    for _ in range(100):  # plain steps only: the drafting cost fades, so speculation is tried again
+        costs.record(1, 64, 1.0, drafts_separately=True)
+    assert costs.draft_cost < 0.1
 
 
 def test_step_costs_are_kept_per_context_bucket():
     assert [context_bucket(n) for n in (1, 64, 65, 700, 1500)] == [64, 64, 128, 1024, 2048]
     costs = StepCosts(forward={1: 1.0, 2: 1.2}, smoothing=1.0, min_samples=1)
-    costs.record(2, 128, step_seconds=1.2, draft_seconds=None)
-    costs.record(1, 1024, step_seconds=1.5, draft_seconds=None)  # long contexts: dearer
-    costs.record(2, 1024, step_seconds=3.0, draft_seconds=None)  # and wide verifies more so
+    costs.record(2, 128, 1.2, drafts_separately=False)
+    costs.record(1, 1024, 1.5, drafts_separately=False)  # long contexts: dearer
+    costs.record(2, 1024, 3.0, drafts_separately=False)  # and wide verifies more so
     assert torch.allclose(costs.table(2, 128), torch.tensor([1.0, 1.2]))
-    assert torch.allclose(costs.table(2, 1024), torch.tensor([1.5, 2.4]))  # 3.0 clipped at 2x the forward
+    assert torch.allclose(costs.table(2, 1024), torch.tensor([1.5, 3.0]))
     assert costs.at(2048).ratio == costs.contexts[1024].ratio  # a new bucket starts from the nearest one
 
 
