@@ -151,6 +151,17 @@ def test_steps_without_drafts_keep_the_mtp_caches_in_step(mtp_target, monkeypatc
     assert recorder.num_commits > len(recorder.steps) > 0
 
 
+def test_adaptive_schedule_calibration_leaves_the_mtp_state_intact(mtp_target) -> None:
+    """The adaptive schedule times target forwards after the prefill; the MTP hook sees them and must not care."""
+    model, mtp = mtp_target
+    inputs = make_prompts(2, seed=3)
+    expected = model.generate(**inputs, max_new_tokens=12, do_sample=False)
+    spec = hf_specdec.SpecDecoder(method="mtp", num_speculative_tokens=4, mtp_model=mtp,
+                                  num_speculative_tokens_schedule="adaptive")  # fmt: skip
+    for _ in range(2):
+        assert torch.equal(spec_generate(model, inputs, spec, max_new_tokens=12, do_sample=False), expected)
+
+
 def test_sampling_is_seeded_and_exact_for_the_first_token(mtp_target) -> None:
     model, mtp = mtp_target
     prompt = make_prompts(1, seed=3)["input_ids"]
