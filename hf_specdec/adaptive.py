@@ -249,8 +249,7 @@ class AdaptiveSchedule(SpeculationSchedule):
         self.time_verify: Callable[[int], float] | None = None
         self.keys = torch.zeros(0, dtype=torch.long)  # [B] (host) draft keys of the step in flight
         self.pending: _Step | None = None  # the step in flight
-        self.first_step = True
-        self.last_width = 1  # verify width of the latest decision (for tests and stats)
+        self.first_step = True  # the call's first step is not measured
 
     def costs(self, batch_size: int) -> StepCosts:
         """This batch size's costs: calibrated at a call's first step, else borrowed from the nearest batch size."""
@@ -275,7 +274,6 @@ class AdaptiveSchedule(SpeculationSchedule):
 
     def start(self, batch_size: int, device: torch.device) -> None:
         self.pending = None
-        self.first_step = True
 
     def budgets(self, batch: RaggedBatch) -> torch.Tensor:  # [B]
         now = time.perf_counter()
@@ -302,20 +300,13 @@ class AdaptiveSchedule(SpeculationSchedule):
 
     def _choose(self, keys: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:  # [B] host
         if not bool((num_drafts > 0).any()):
-            self.last_width = 1
             return torch.zeros_like(num_drafts)
         assert self.pending is not None, "budgets() runs before each step's choice"
         table = self.pending.costs.table(self.max_k + 1, self.pending.bucket)
-        width, used = best_width(self.stats.survival(keys), num_drafts, table, self.margin)
-        self.last_width = width
-        return used
+        return best_width(self.stats.survival(keys), num_drafts, table, self.margin)[1]
 
     def observe(self, num_draft_tokens: torch.Tensor, num_accepted: torch.Tensor) -> None:
         drafted = num_draft_tokens.cpu()
         self.stats.record(self.keys[: drafted.shape[0]], drafted, num_accepted.cpu())
         if self.pending is not None:
             self.pending.width = 1 + int(drafted.max()) if drafted.numel() else 1
-
-    def select_rows(self, keep: torch.Tensor) -> None:
-        # The step that retired rows is attributed to the batch size it ran at; nothing per row is kept.
-        pass

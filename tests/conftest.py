@@ -23,7 +23,8 @@ PAD_ID = 0
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
-def _common(vocab: int, layers: int, hidden: int) -> dict:
+def tiny_config_kwargs(vocab: int, layers: int, hidden: int) -> dict:
+    """The config fields every tiny test model shares (architecture-specific ones are added by the caller)."""
     return dict(
         vocab_size=vocab,
         hidden_size=hidden,
@@ -42,15 +43,15 @@ def _common(vocab: int, layers: int, hidden: int) -> dict:
 def make_config(arch: str, vocab: int = VOCAB, layers: int = 2, hidden: int = 64, **overrides):
     """A tiny config of one of the architectures the tests cover."""
     if arch == "llama":
-        config = LlamaConfig(**_common(vocab, layers, hidden), tie_word_embeddings=False)
+        config = LlamaConfig(**tiny_config_kwargs(vocab, layers, hidden), tie_word_embeddings=False)
     elif arch == "qwen3":
-        config = Qwen3Config(**_common(vocab, layers, hidden), head_dim=16, tie_word_embeddings=True)
+        config = Qwen3Config(**tiny_config_kwargs(vocab, layers, hidden), head_dim=16, tie_word_embeddings=True)
     elif arch == "mistral":
-        config = MistralConfig(**_common(vocab, layers, hidden), sliding_window=8)
+        config = MistralConfig(**tiny_config_kwargs(vocab, layers, hidden), sliding_window=8)
     elif arch == "gemma":
-        config = GemmaConfig(**_common(vocab, layers, hidden), head_dim=16)
+        config = GemmaConfig(**tiny_config_kwargs(vocab, layers, hidden), head_dim=16)
     elif arch == "phi3":
-        config = Phi3Config(**_common(vocab, layers, hidden))
+        config = Phi3Config(**tiny_config_kwargs(vocab, layers, hidden))
     elif arch == "gpt2":
         config = GPT2Config(
             vocab_size=vocab,

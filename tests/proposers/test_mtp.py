@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import EOS_ID, PAD_ID, VOCAB, make_prompts, spec_generate
+from conftest import EOS_ID, PAD_ID, VOCAB, make_prompts, spec_generate, tiny_config_kwargs
 from scipy import stats
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.cache_utils import MtpCache
@@ -34,24 +34,14 @@ def make_mtp_target(arch: str, seed: int = 0) -> tuple[torch.nn.Module, MtpModel
     torch.manual_seed(seed)
     config = AutoConfig.for_model(
         arch,
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
+        **{**tiny_config_kwargs(VOCAB, layers=1, hidden=64), **MTP_ARCHS[arch]},
         moe_intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=4,
         n_routed_experts=4,
         num_experts_per_tok=2,
         n_group=1,
         topk_group=1,
         first_k_dense_replace=0,
-        max_position_embeddings=512,
-        bos_token_id=1,
-        eos_token_id=EOS_ID,
-        pad_token_id=PAD_ID,
-        initializer_range=0.4,
         num_mtp_layers=NUM_MTP_LAYERS,
-        **MTP_ARCHS[arch],
     )
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
     model.generation_config.pad_token_id = PAD_ID
