@@ -250,6 +250,7 @@ class AdaptiveSchedule(SpeculationSchedule):
         self.keys = torch.zeros(0, dtype=torch.long)  # [B] (host) draft keys of the step in flight
         self.pending: _Step | None = None  # the step in flight
         self.first_step = True  # the call's first step is not measured
+        self.prefilling = False  # True until step 0, whose verify is the prefill, has asked for its budgets
 
     def costs(self, batch_size: int) -> StepCosts:
         """This batch size's costs: calibrated at a call's first step, else borrowed from the nearest batch size."""
@@ -274,8 +275,12 @@ class AdaptiveSchedule(SpeculationSchedule):
 
     def start(self, batch_size: int, device: torch.device) -> None:
         self.pending = None
+        self.prefilling = True
 
     def budgets(self, batch: RaggedBatch) -> torch.Tensor:  # [B]
+        if self.prefilling:  # step 0 (the prefill) drafts nothing: its costs are not known, and it is plain's own
+            self.prefilling = False
+            return torch.zeros(batch.batch_size, dtype=torch.long, device=batch.device)
         now = time.perf_counter()
         if self.pending is not None and not self.first_step:  # the call's first step pays warm-ups: not a cost
             step = self.pending

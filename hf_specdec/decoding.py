@@ -79,20 +79,16 @@ class SpeculativeLoop:
         start = time.perf_counter()
         self.proposer.attach(self.model)
         try:
-            self.prefill()
+            self.proposer.prefill(self.batch, self.sampling)
+            self.step()  # step 0: its verify is the target's prefill, as in plain generate and HF's assisted loop
+            if self.batch.batch_size:
+                self.proposer.calibrate(self.time_verify)
             while self.batch.batch_size > 0:
                 self.step()
         finally:
             self.proposer.detach()
         self.stats.wall_time_s = time.perf_counter() - start
         return self.finish()
-
-    def prefill(self) -> None:
-        """Fill the target's and the proposer's caches with every prompt token but the last."""
-        if self.batch.prompt_width > 1:
-            self.target.forward(self.batch.token_ids, self.batch.lengths - 1, logits_to_keep=1)
-        self.proposer.prefill(self.batch, self.sampling)
-        self.proposer.calibrate(self.time_verify)
 
     def time_verify(self, width: int) -> float:
         """Seconds one target forward of `width` tokens per row takes right now; the forward is then undone.
@@ -138,8 +134,14 @@ class SpeculativeLoop:
         return proposal
 
     def verify(self, proposal: Proposal) -> torch.Tensor:  # [B, 1 + k, V]
-        """One target forward over [last token, drafts] for every row."""
-        return self.target.forward(self.batch.token_ids, 1 + proposal.num_draft_tokens)
+        """One target forward over each row's unseen tokens and its drafts; logits of [last token, drafts].
+
+        The target has seen every token but each row's newest one, except at step 0, where it has seen nothing:
+        that verify is the prefill, so the first tokens cost no forward of their own.
+        """
+        unseen = self.batch.lengths - self.target.cached_lengths  # [B] 1, or the whole row at step 0
+        width = 1 + int(proposal.num_draft_tokens.max().item())
+        return self.target.forward(self.batch.token_ids, unseen + proposal.num_draft_tokens, logits_to_keep=width)
 
     def score(self, proposal: Proposal, target_logits: torch.Tensor) -> torch.Tensor:  # [B, 1 + k, V]
         width = target_logits.shape[1]

@@ -161,6 +161,7 @@ class MTPProposer(Proposer):
         self.lengths: torch.Tensor | None = None  # [B] the batch's lengths as of the last commit
         self.fed_end: list[torch.Tensor] = []  # per layer [B]: end of the entries fed in the first cycle
         self.proposed = False
+        self.seen_prompt = False  # whether the target's prefill states were fed to the layers
         self._captured: torch.Tensor | None = None  # [B, w, H] the target decoder's latest output
         self._hook: Any = None
 
@@ -204,22 +205,29 @@ class MTPProposer(Proposer):
         self.rings = torch.zeros(n, size, self.ring_size, hidden_size, dtype=dtype, device=batch.device)
         self.lengths = batch.lengths.clone()
         self.fed_end = [torch.zeros_like(batch.lengths) for _ in range(n)]
+        self.seen_prompt = False
+
+    def _feed_prompt(self, batch: RaggedBatch, prompt: torch.Tensor) -> torch.Tensor:  # [B, 1, H]
+        """Feed every layer the prompt but its last token, from the target's prefill states `prompt` [B, P, H].
+
+        Returns the last token's state, which step 0's commit stores like any verify's.
+        """
         width = batch.prompt_width - 1
-        if width < 1:
-            return
-        previous = self._take_captured(width)  # [B, P-1, H] the target's hidden states at 0..P-2
+        previous = prompt[:, :width]  # [B, P-1, H] the target's hidden states at 0..P-2
         start = torch.zeros_like(batch.lengths)
         num = torch.full_like(batch.lengths, width)
-        for d, view in enumerate(self.views):
+        for d, view in enumerate(self.views if width > 0 else ()):
             self._store(d, start, num, previous)
-            shifted = torch.cat([previous.new_zeros(size, 1, hidden_size), previous[:, :-1]], dim=1)  # [B, P-1, H]
-            previous = view.feed(batch.token_ids, start, num, shifted)
+            shifted = torch.cat([previous.new_zeros(previous.shape[0], 1, previous.shape[2]), previous[:, :-1]], dim=1)
+            previous = view.feed(batch.token_ids, start, num, shifted)  # [B, P-1, H]
             self.fed_end[d] = start + num
+        self.seen_prompt = True
+        return prompt[:, width:]
 
     def propose(self, batch: RaggedBatch, max_draft_tokens: torch.Tensor, sampling: StepSampling) -> Proposal:
         assert self.rings is not None, "prefill() must run before propose()"
         k = int(max_draft_tokens.max().item()) if batch.batch_size else 0
-        if k == 0:
+        if k == 0 or not self.seen_prompt:  # step 0: drafts need the target's state of the newest token
             return Proposal.empty(batch.batch_size, batch.device)
         self.proposed = True
         rows = torch.arange(batch.batch_size, device=batch.device)
@@ -250,6 +258,8 @@ class MTPProposer(Proposer):
     def commit(self, batch: RaggedBatch, num_accepted: torch.Tensor) -> None:
         assert self.rings is not None and self.lengths is not None
         verified = self._take_captured()  # [B, w, H] the verify's hidden states at lengths-1 ..
+        if not self.seen_prompt:  # step 0's verify was the prefill: [B, P, H]
+            verified = self._feed_prompt(batch, verified)
         width = verified.shape[1]
         self._store(0, self.lengths - 1, torch.full_like(self.lengths, width), verified)
         if not self.proposed:  # no propose this step: catch up on the committed tokens now

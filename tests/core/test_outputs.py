@@ -87,7 +87,11 @@ def test_stats_are_set_and_sane(target, noisy, batch_size):
     assert stats.mean_accepted_length >= 1.0
     assert len(stats.per_position_acceptance) == K
     assert all(0.0 <= a <= 1.0 for a in stats.per_position_acceptance)
-    assert stats.per_position_acceptance == sorted(stats.per_position_acceptance, reverse=True)  # prefix acceptance
+    # Prefix acceptance: a draft is accepted only after every draft before it (the shares need not fall: rows near
+    # max_length draft fewer, so later positions have fewer rows).
+    assert stats.accepted_per_position == sorted(stats.accepted_per_position, reverse=True)
+    assert stats.drafted_per_position == sorted(stats.drafted_per_position, reverse=True)
+    assert all(a <= d for a, d in zip(stats.accepted_per_position, stats.drafted_per_position))
     assert stats.wall_time_s > 0
     # A new call replaces last_stats.
     spec_generate(target, inputs, spec, do_sample=False, max_new_tokens=3, eos_token_id=None)

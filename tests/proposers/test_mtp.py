@@ -152,20 +152,25 @@ def test_adaptive_schedule_calibration_leaves_the_mtp_state_intact(mtp_target) -
         assert torch.equal(spec_generate(model, inputs, spec, max_new_tokens=12, do_sample=False), expected)
 
 
-def test_sampling_is_seeded_and_exact_for_the_first_token(mtp_target) -> None:
+def test_sampling_is_seeded_and_exact_for_the_first_speculated_token(mtp_target) -> None:
     model, mtp = mtp_target
-    prompt = make_prompts(1, seed=3)["input_ids"]
+    prompt = make_prompts(1, seed=3)["input_ids"]  # [1, P]
     rows = 400
     inputs = {"input_ids": prompt.expand(rows, -1)}
     spec = hf_specdec.SpecDecoder(method="mtp", num_speculative_tokens=NUM_MTP_LAYERS, mtp_model=mtp, seed=11)
-    kwargs = dict(max_new_tokens=2, do_sample=True, temperature=0.7, top_k=0)
+    kwargs = dict(max_new_tokens=3, do_sample=True, temperature=0.7, top_k=0)
     out = spec_generate(model, inputs, spec, **kwargs)
     assert torch.equal(out, spec_generate(model, inputs, spec, **kwargs))  # seeded: reproducible
     assert spec.last_stats.num_draft_tokens > 0
-    # The first generated token must follow the target's own (tempered) next-token distribution.
+    # t1 comes from the prefill; t2, the first token of the first speculative step (an accepted MTP draft or a
+    # recovered token), must follow the target's own (tempered) law: sum over t1 of p(t1) p(t2 | t1).
     with torch.no_grad():
-        probs = torch.softmax(model(prompt).logits[0, -1] / 0.7, dim=-1).double()
-    counts = torch.bincount(out[:, prompt.shape[1]], minlength=probs.shape[0]).double()
+        first = torch.softmax(model(prompt).logits[0, -1] / 0.7, dim=-1).double()  # [V]
+        vocab = first.shape[0]
+        continued = torch.cat([prompt.expand(vocab, -1), torch.arange(vocab)[:, None]], dim=1)  # [V, P + 1]
+        second = torch.softmax(model(continued).logits[:, -1] / 0.7, dim=-1).double()  # [V, V]
+    probs = first @ second  # [V]
+    counts = torch.bincount(out[:, prompt.shape[1] + 1], minlength=vocab).double()
     common = probs * rows >= 5
     observed = torch.cat([counts[common], counts[~common].sum()[None]])
     expected = torch.cat([probs[common], probs[~common].sum()[None]]) * rows
