@@ -30,7 +30,7 @@ class SpeculationSchedule:
         """Called once per generate call, before the first step."""
 
     def calibrate(self, time_verify: Callable[[int], float]) -> None:
-        """Called once per call after the prefill with a function timing a target forward of a given width."""
+        """Called once per call after step 0 (the prefill) with a function timing a target forward of a given width."""
 
     def budgets(self, batch: RaggedBatch) -> torch.Tensor:  # [B] int64 drafts each row may have this step
         return torch.full((batch.batch_size,), self.max_k, dtype=torch.long, device=batch.device)

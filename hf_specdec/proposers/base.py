@@ -67,10 +67,10 @@ class Proposer(ABC):
         """Called once when the `generate` call ends, also when it fails: undo what `attach` did."""
 
     def prefill(self, batch: RaggedBatch, sampling: StepSampling) -> None:  # noqa: B027
-        """Called once after the target's prefill, before the first `propose`."""
+        """Called once before step 0, whose verify is the target's prefill (so before the first `propose`)."""
 
     def calibrate(self, time_verify: Callable[[int], float]) -> None:  # noqa: B027
-        """Called once after `prefill` with a function that times one target forward of a given width (seconds)
+        """Called once after step 0 with a function that times one target forward of a given width (seconds)
         and undoes it; a proposer whose schedule needs step costs measures them here."""
 
     @abstractmethod
