@@ -12,6 +12,8 @@ Two measured ingredients, both kept per target model across calls (weakly: they 
   row's drafts: the matched n-gram length for prompt lookup, one category for draft models), the probability
   S(j) that the first j drafts are all accepted, estimated from every verified step (censored at the drafts that
   step had), decayed so that it follows the text, with a prior that keys not seen for a while drift back to.
+  Each row's own record then scales its estimate (`AdaptiveSchedule.row_factors`): how a kind of draft fares
+  varies more between texts than between kinds.
 
 Each step the batch verifies at one width W (a row with fewer drafts leaves holes), so the schedule picks
 `W = argmax_W sum_rows (1 + sum_{j <= min(d_row, W-1)} S_row(j)) / cost(W)`, and W = 1 (plain decoding through
@@ -237,9 +239,21 @@ class AdaptiveSchedule(SpeculationSchedule):
             is made from them; otherwise the choice is made before drafting.
         margin (`float`, *optional*, defaults to 0.05): Speculate only when the expected rate beats plain by this
             (step costs are measured to a few percent on a busy machine).
+        row_weight (`float`, *optional*, defaults to 1.0): How many expected accepted drafts of evidence a row needs
+            before its own record moves its estimate away from its key's (see `row_factors`).
+        row_decay (`float`, *optional*, defaults to 0.97): Per step, what a row's record keeps of its past.
     """
 
-    def __init__(self, max_k: int, model: object, cost_key: str, propose_first: bool, margin: float = 0.05) -> None:
+    def __init__(
+        self,
+        max_k: int,
+        model: object,
+        cost_key: str,
+        propose_first: bool,
+        margin: float = 0.05,
+        row_weight: float = 1.0,
+        row_decay: float = 0.97,
+    ) -> None:
         super().__init__(max_k)
         self.memory = _MEMORY.setdefault(model, ModelMemory()) if model is not None else ModelMemory()
         self.stats = self.memory.stats.setdefault((cost_key, max_k), AcceptanceStats(max_k))
@@ -251,6 +265,10 @@ class AdaptiveSchedule(SpeculationSchedule):
         self.pending: _Step | None = None  # the step in flight
         self.first_step = True  # the call's first step is not measured
         self.prefilling = False  # True until step 0, whose verify is the prefill, has asked for its budgets
+        self.row_weight, self.row_decay = row_weight, row_decay
+        self.row_accepted = torch.zeros(0)  # [B] (host) drafts each row got accepted, decayed per step
+        self.row_expected = torch.zeros(0)  # [B] (host) what its keys' statistics expected of those drafts
+        self.expected: torch.Tensor | None = None  # [B, K + 1] (host) expected accepted of 0..K drafts, this step
 
     def costs(self, batch_size: int) -> StepCosts:
         """This batch size's costs: calibrated at a call's first step, else borrowed from the nearest batch size."""
@@ -276,6 +294,20 @@ class AdaptiveSchedule(SpeculationSchedule):
     def start(self, batch_size: int, device: torch.device) -> None:
         self.pending = None
         self.prefilling = True
+        self.row_accepted = torch.zeros(batch_size)
+        self.row_expected = torch.zeros(batch_size)
+        self.expected = None
+
+    def row_factors(self) -> torch.Tensor:  # [B] (host)
+        """How each row's drafts fare against what their keys' statistics expect: (w + accepted) / (w + expected).
+
+        Acceptance varies far more between texts than between kinds of drafts: long n-gram matches are accepted
+        82% of the time on average, yet in some answers never. Each row's survival S(j) is scaled by this factor
+        (a gamma-frailty estimate), so a row whose drafts keep failing stops drafting after a few tries, and one
+        whose drafts do better than expected drafts more; its record fades by `row_decay` per step, so a row
+        that stopped is tried again later.
+        """
+        return (self.row_weight + self.row_accepted) / (self.row_weight + self.row_expected)
 
     def budgets(self, batch: RaggedBatch) -> torch.Tensor:  # [B]
         if self.prefilling:  # step 0 (the prefill) drafts nothing: its costs are not known, and it is plain's own
@@ -303,15 +335,29 @@ class AdaptiveSchedule(SpeculationSchedule):
             return proposal.num_draft_tokens
         return self._choose(keys, num).to(proposal.num_draft_tokens.device)
 
+    def select_rows(self, keep: torch.Tensor) -> None:
+        keep = keep.cpu()
+        self.row_accepted, self.row_expected = self.row_accepted[keep], self.row_expected[keep]
+
     def _choose(self, keys: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:  # [B] host
+        self.expected = None
         if not bool((num_drafts > 0).any()):
             return torch.zeros_like(num_drafts)
         assert self.pending is not None, "budgets() runs before each step's choice"
         table = self.pending.costs.table(self.max_k + 1, self.pending.bucket)
-        return best_width(self.stats.survival(keys), num_drafts, table, self.margin)[1]
+        survival = self.stats.survival(keys)  # [B, K]
+        self.expected = torch.cat([torch.zeros(len(keys), 1), survival.cumsum(1)], dim=1)  # [B, K + 1]
+        survival = (survival * self.row_factors()[:, None]).clamp(max=1.0)
+        return best_width(survival, num_drafts, table, self.margin)[1]
 
     def observe(self, num_draft_tokens: torch.Tensor, num_accepted: torch.Tensor) -> None:
-        drafted = num_draft_tokens.cpu()
-        self.stats.record(self.keys[: drafted.shape[0]], drafted, num_accepted.cpu())
+        drafted, accepted = num_draft_tokens.cpu(), num_accepted.cpu()
+        self.stats.record(self.keys[: drafted.shape[0]], drafted, accepted)
+        self.row_accepted *= self.row_decay
+        self.row_expected *= self.row_decay
+        if self.expected is not None:
+            self.row_accepted += accepted.float()
+            self.row_expected += self.expected.gather(1, drafted[:, None])[:, 0]
+            self.expected = None
         if self.pending is not None:
             self.pending.width = 1 + int(drafted.max()) if drafted.numel() else 1

@@ -146,11 +146,13 @@ def _drive(
     keys: list[int],  # each row's draft key (every row always has K drafts)
     steps: int = 300,
     propose_first: bool = True,
+    schedule: AdaptiveSchedule | None = None,
 ) -> list[list[int]]:
-    """Run the schedule against simulated forwards and i.i.d. acceptance per key; return the drafts it verified."""
+    """Run the schedule (one call) against simulated forwards and i.i.d. acceptance per key; return the drafts it
+    verified per step. Pass `schedule` to run a further call with what an earlier one learned."""
     clock = FakeClock()
     monkeypatch.setattr(adaptive.time, "perf_counter", clock)
-    schedule = AdaptiveSchedule(K, model=None, cost_key="sim", propose_first=propose_first)
+    schedule = schedule or AdaptiveSchedule(K, model=None, cost_key="sim", propose_first=propose_first)
     schedule.calibrate(lambda width: forward[width - 1])
     batch_size = len(keys)
     schedule.start(batch_size, torch.device("cpu"))
@@ -199,6 +201,19 @@ def test_schedule_learns_per_key_and_picks_a_cheap_width(monkeypatch):
     assert sum(row[0] > 0 for row in poor) <= 10
     widths = [row[0] + 1 for row in good]
     assert sum(w in (5, 8, 9) for w in widths) >= 0.9 * len(widths), widths[:40]
+
+
+@pytest.mark.parametrize("row_weight", [1.0, 1e9])  # 1e9: no row record (the control, which keeps drafting)
+def test_a_row_whose_drafts_keep_failing_stops_though_its_key_is_good(monkeypatch, row_weight):
+    forward = [1.0 + 0.06 * w for w in range(K + 1)]
+    schedule = AdaptiveSchedule(K, model=None, cost_key="sim", propose_first=True, row_weight=row_weight)
+    _drive(monkeypatch, forward, {4: 0.9}, keys=[4], schedule=schedule)  # the key learns: its drafts are good
+    failing = _drive(monkeypatch, forward, {4: 0.0}, keys=[4], steps=100, schedule=schedule)  # a text where not
+    tries = sum(row[0] > 0 for row in failing)
+    if row_weight == 1e9:
+        assert tries > 50, failing
+    else:
+        assert tries <= 20, failing
 
 
 def test_schedule_choosing_before_drafting_gives_budgets(monkeypatch):
