@@ -98,6 +98,26 @@ def test_stats_are_set_and_sane(target, noisy, batch_size):
     assert spec.last_stats is not stats and spec.last_stats.num_generated_tokens == 3 * batch_size
 
 
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_the_prefill_is_step_0s_verify(target, noisy, method):
+    """Like plain `generate`, the first token costs no target forward of its own: one forward per step, all told."""
+    forwards = []
+    handle = target.get_input_embeddings().register_forward_hook(lambda *_: forwards.append(1))
+    try:
+        inputs = make_prompts(3, seed=3)
+        kwargs = {"draft_model": noisy} if method == "draft" else {"method": "ngram"}
+        spec = hf_specdec.SpecDecoder(num_speculative_tokens=K, **kwargs)
+        expected = target.generate(**inputs, do_sample=False, max_new_tokens=1, eos_token_id=None)
+        forwards.clear()
+        out = spec_generate(target, inputs, spec, do_sample=False, max_new_tokens=1, eos_token_id=None)
+        assert torch.equal(out, expected) and len(forwards) == spec.last_stats.num_steps == 1
+        forwards.clear()
+        spec_generate(target, inputs, spec, do_sample=False, max_new_tokens=MAX_NEW, eos_token_id=None)
+        assert len(forwards) == spec.last_stats.num_steps
+    finally:
+        handle.remove()
+
+
 def test_sampling_with_num_return_sequences(target, noisy):
     inputs = make_prompts(2, seed=3)
     prompt_width = inputs["input_ids"].shape[1]

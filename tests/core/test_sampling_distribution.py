@@ -3,10 +3,10 @@
 A tiny model with a 12-token vocabulary makes the joint table of (t1, t2, t3) small enough to fill: the exact
 law p(t1) p(t2 | t1) p(t3 | t1, t2) comes from the target's own processed scores (plain `generate` with
 `output_scores`), and 20 000 speculative samples (one seeded call, the same prompt on every row) are checked
-against it with a chi-square goodness-of-fit test. t1 comes from the prefill (step 0, no drafts); t2 and t3 from
-the first speculative step. Configs cover a draft model (draft probabilities), n-gram (one-hot drafts),
+against it with a chi-square goodness-of-fit test. Step 0, whose verify is the prefill, checks drafts made from
+the prompt. Configs cover a draft model (draft probabilities), n-gram (one-hot drafts),
 temperature / top-k / top-p and repetition penalty (scores that depend on each position's prefix), EOS inside
-the verified block, and t2, t3 as accepted drafts, recovered tokens, a bonus token or the next step's token.
+the verified block, and t1..t3 as accepted drafts, recovered tokens, a bonus token or the next step's token.
 A negative control shows the statistic rejects a slightly wrong law (another temperature) on the same samples.
 """
 
