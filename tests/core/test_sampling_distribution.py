@@ -120,7 +120,9 @@ def test_first_tokens_follow_the_target_law(target, draft, name):
     if config["method"] == "draft":
         spec = hf_specdec.SpecDecoder(draft_model=draft, num_speculative_tokens=config["k"], seed=1234)
     else:
-        spec = hf_specdec.SpecDecoder(method="ngram", num_speculative_tokens=config["k"], prompt_lookup_max=3, seed=1234)
+        spec = hf_specdec.SpecDecoder(
+            method="ngram", num_speculative_tokens=config["k"], prompt_lookup_max=3, seed=1234
+        )
     counts = speculative_samples(target, prompt, spec, **sampling)
     stats = spec.last_stats
     # Step 0 verified k drafts on every row; the first was often accepted, often not.
