@@ -39,6 +39,7 @@ TARGET_SHAPE = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers
 DRAFT_SHAPE = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=12,
                    num_key_value_heads=4, tie_word_embeddings=True)  # fmt: skip
 DEVICE = "cuda"
+REPEATS = 3  # turns of each side-by-side timing (medians are reported)
 PHASES = ("propose", "verify", "score", "accept", "commit", "rollback", "retire_finished")
 
 
@@ -119,15 +120,26 @@ def table_from(sequences: torch.Tensor, attention_mask: torch.Tensor) -> torch.T
 
 def timed(fn: Callable[[], object], repeats: int = 1) -> float:
     """Median wall seconds of fn (synchronised), after one warm-up."""
-    fn()
-    samples = []
-    for _ in range(repeats):
-        sync()
-        t0 = time.perf_counter()
+    return timed_together({"fn": fn}, repeats)["fn"]
+
+
+def timed_together(fns: dict[str, Callable[[], object]], repeats: int = REPEATS) -> dict[str, float]:
+    """Median wall seconds of each fn (synchronised), after one warm-up each, the fns timed in turn `repeats` times.
+
+    Taking turns puts a baseline and the methods it is compared with under the same machine: on a shared host the
+    same batch-1 forward of a launch-bound 8B model varied from 26 to 42 ms within two minutes.
+    """
+    for fn in fns.values():
         fn()
-        sync()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            samples[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(times) for name, times in samples.items()}
 
 
 def forward_time(model: torch.nn.Module, context: int, width: int, batch: int = 1) -> float:
@@ -170,7 +182,7 @@ def phase_timer() -> Iterator[dict[str, float]]:
             setattr(decoding.SpeculativeLoop, name, fn)
 
 
-def adaptive_row(target, draft, inputs, expected, alpha: float, k: int, t_plain: float, gen: dict) -> dict:  # noqa: ANN001
+def adaptive_row(target, draft, inputs, expected, alpha: float, k: int, gen: dict) -> dict:  # noqa: ANN001
     """hf_specdec with the adaptive schedule at one alpha: acceptance learned afresh (the cost tables are kept)."""
     from hf_specdec import adaptive
 
@@ -181,7 +193,8 @@ def adaptive_row(target, draft, inputs, expected, alpha: float, k: int, t_plain:
     run = lambda: target.generate(**inputs, custom_generate=hf_specdec.generate, spec_decoder=spec, **gen)  # noqa: E731
     with torch.no_grad():
         ours = run()  # warm-up: calibrates the step costs on the first call, learns acceptance
-        t_ours = timed(run)
+        times = timed_together({"plain": lambda: target.generate(**inputs, **gen), "ours": run})
+    t_plain, t_ours = times["plain"], times["ours"]
     stats = spec.last_stats
     row = dict(alpha=alpha, k="adaptive", max_k=k, tps_plain=gen["max_new_tokens"] / t_plain,
                tps_ours=gen["max_new_tokens"] / t_ours, speedup=t_plain / t_ours, acceptance=stats.acceptance_rate,
@@ -261,7 +274,6 @@ def main() -> None:
     inputs = all_inputs[1]
     with torch.no_grad():
         expected = target.generate(**inputs, **gen)
-        t_plain = timed(lambda: target.generate(**inputs, **gen))
     rows = []
     for alpha in args.alphas:
         draft.alpha = alpha
@@ -269,12 +281,16 @@ def main() -> None:
             spec = hf_specdec.SpecDecoder(draft_model=draft, num_speculative_tokens=k)
             with torch.no_grad():
                 ours = target.generate(**inputs, custom_generate=hf_specdec.generate, spec_decoder=spec, **gen)
-                t_ours = timed(lambda: target.generate(**inputs, custom_generate=hf_specdec.generate,
-                                                       spec_decoder=spec, **gen))  # fmt: skip
                 stock_kwargs = dict(assistant_model=draft, num_assistant_tokens=k, assistant_confidence_threshold=0.0,
                                     num_assistant_tokens_schedule="constant", **gen)  # fmt: skip
                 stock = target.generate(**inputs, **stock_kwargs)
-                t_stock = timed(lambda: target.generate(**inputs, **stock_kwargs))
+                times = timed_together({
+                    "plain": lambda: target.generate(**inputs, **gen),
+                    "ours": lambda: target.generate(**inputs, custom_generate=hf_specdec.generate, spec_decoder=spec,
+                                                    **gen),
+                    "stock": lambda: target.generate(**inputs, **stock_kwargs),
+                })  # fmt: skip
+            t_plain, t_ours, t_stock = times["plain"], times["ours"], times["stock"]
             e = (1 - alpha ** (k + 1)) / (1 - alpha)
             ideal = e * t_target / (k * t_draft + t_verify[k])
             row = dict(alpha=alpha, k=k, tps_plain=n_new / t_plain, tps_hf_stock=n_new / t_stock, tps_ours=n_new / t_ours,
@@ -288,7 +304,7 @@ def main() -> None:
                   f"S* {ideal:.2f}, efficiency {row['efficiency']:.2f}, acc {row['acceptance']:.2f}, "
                   f"identical {row['identical_to_plain']}", flush=True)  # fmt: skip
         if args.adaptive:
-            rows.append(adaptive_row(target, draft, inputs, expected, alpha, max(args.ks), t_plain, gen))
+            rows.append(adaptive_row(target, draft, inputs, expected, alpha, max(args.ks), gen))
     results["batch1"] = rows
 
     draft.alpha = 0.8
@@ -310,10 +326,13 @@ def main() -> None:
         spec = hf_specdec.SpecDecoder(draft_model=draft, num_speculative_tokens=4)
         with torch.no_grad():
             expected = target.generate(**inputs, **gen)
-            t_plain = timed(lambda: target.generate(**inputs, **gen))
             ours = target.generate(**inputs, custom_generate=hf_specdec.generate, spec_decoder=spec, **gen)
-            t_ours = timed(lambda: target.generate(**inputs, custom_generate=hf_specdec.generate, spec_decoder=spec,
-                                                   **gen))  # fmt: skip
+            times = timed_together({
+                "plain": lambda: target.generate(**inputs, **gen),
+                "ours": lambda: target.generate(**inputs, custom_generate=hf_specdec.generate, spec_decoder=spec,
+                                                **gen),
+            })  # fmt: skip
+        t_plain, t_ours = times["plain"], times["ours"]
         same = (ours == expected).all(1).float().mean().item()
         row = dict(batch=b, alpha=0.8, k=4, tps_plain=b * n_new / t_plain, tps_ours=b * n_new / t_ours,
                    speedup=t_plain / t_ours, acceptance=spec.last_stats.acceptance_rate, rows_identical=same)  # fmt: skip
