@@ -352,7 +352,7 @@ class AdaptiveSchedule(SpeculationSchedule):
 
     def observe(self, num_draft_tokens: torch.Tensor, num_accepted: torch.Tensor) -> None:
         drafted, accepted = num_draft_tokens.cpu(), num_accepted.cpu()
-        self.stats.record(self.keys[: drafted.shape[0]], drafted, accepted)
+        self.stats.record(self.keys, drafted, accepted)
         self.row_accepted *= self.row_decay
         self.row_expected *= self.row_decay
         if self.expected is not None:

@@ -140,8 +140,10 @@ class SpeculativeLoop:
         that verify is the prefill, so the first tokens cost no forward of their own.
         """
         unseen = self.batch.lengths - self.target.cached_lengths  # [B] 1, or the whole row at step 0
-        width = 1 + int(proposal.num_draft_tokens.max().item())
-        return self.target.forward(self.batch.token_ids, unseen + proposal.num_draft_tokens, logits_to_keep=width)
+        keep = None  # after step 0 every fed slot is [newest token, drafts]: keep them all (no host sync)
+        if self.target.width == 0:  # step 0: of the prefill keep [last prompt token, drafts]
+            keep = 1 + int(proposal.num_draft_tokens.max().item())
+        return self.target.forward(self.batch.token_ids, unseen + proposal.num_draft_tokens, logits_to_keep=keep)
 
     def score(self, proposal: Proposal, target_logits: torch.Tensor) -> torch.Tensor:  # [B, 1 + k, V]
         width = target_logits.shape[1]

@@ -216,11 +216,12 @@ class MTPProposer(Proposer):
         previous = prompt[:, :width]  # [B, P-1, H] the target's hidden states at 0..P-2
         start = torch.zeros_like(batch.lengths)
         num = torch.full_like(batch.lengths, width)
-        for d, view in enumerate(self.views if width > 0 else ()):
-            self._store(d, start, num, previous)
-            shifted = torch.cat([previous.new_zeros(previous.shape[0], 1, previous.shape[2]), previous[:, :-1]], dim=1)
-            previous = view.feed(batch.token_ids, start, num, shifted)  # [B, P-1, H]
-            self.fed_end[d] = start + num
+        if width > 0:  # a one-token prompt leaves the layers nothing to feed
+            for d, view in enumerate(self.views):
+                self._store(d, start, num, previous)
+                shifted = torch.nn.functional.pad(previous[:, :-1], (0, 0, 1, 0))  # [B, P-1, H] one index later
+                previous = view.feed(batch.token_ids, start, num, shifted)  # [B, P-1, H]
+                self.fed_end[d] = start + num
         self.seen_prompt = True
         return prompt[:, width:]
 
