@@ -21,17 +21,17 @@ def parse_args(description: str, default_new_tokens: int = 64) -> argparse.Names
 def load(tiny: bool) -> tuple[Any, Any]:
     """Target model and tokenizer (left padding, pad token set)."""
     if tiny:
-        from hf_specdec.model_loading import tiny_models
+        from hf_specdec.tools.model_loading import tiny_models
 
         target, _draft, tokenizer = tiny_models()
         return target, tokenizer
-    from hf_specdec.smollm import load_smollm2
+    from hf_specdec.tools.smollm import load_smollm2
 
     return load_smollm2()
 
 
 def chat_inputs(tokenizer: Any, messages: list[str]) -> dict[str, Any]:
     """Left-padded model inputs for a batch of single-turn user messages (chat template if the tokenizer has one)."""
-    from hf_specdec.prompts import encode_batch
+    from hf_specdec.tools.prompts import encode_batch
 
     return encode_batch(tokenizer, messages)

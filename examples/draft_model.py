@@ -33,11 +33,11 @@ def early_exit_draft(target, num_layers: int):
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
     if args.tiny:
-        from hf_specdec.model_loading import tiny_models
+        from hf_specdec.tools.model_loading import tiny_models
 
         model, draft, tokenizer = tiny_models()
     else:
-        from hf_specdec.smollm import load_smollm2
+        from hf_specdec.tools.smollm import load_smollm2
 
         model, tokenizer = load_smollm2()
         draft = early_exit_draft(model, num_layers=10)

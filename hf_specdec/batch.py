@@ -41,6 +41,39 @@ class RaggedBatch:
     def last_token_ids(self) -> torch.Tensor:  # [B]
         return self.token_ids.gather(1, (self.lengths - 1).unsqueeze(1)).squeeze(1)
 
+    @classmethod
+    def from_prompts(
+        cls,
+        input_ids: torch.Tensor,  # [B, P]
+        attention_mask: torch.Tensor | None,  # [B, P] or None (generate drops an all-ones mask)
+        capacity: int,  # C: max_length + the most drafts a step verifies + 1
+    ) -> RaggedBatch:
+        """The batch of a `generate` call's left-padded prompts; right padding is refused with the fix."""
+        batch_size, prompt_width = input_ids.shape
+        device = input_ids.device
+        if attention_mask is None:
+            pad_lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
+        else:
+            mask = attention_mask.to(device=device, dtype=torch.long)
+            bad = (mask[:, 1:] < mask[:, :-1]).any(1) | (mask.sum(1) == 0)  # [B] right-padded or empty rows
+            if bool(bad.any()):
+                row = int(bad.nonzero()[0, 0])
+                raise ValueError(
+                    "hf_specdec needs left-padded batches (padding first, then the prompt), but the attention_mask "
+                    f"of row {row} is {mask[row].tolist()} (padding after a prompt token, or no token at all): set "
+                    "tokenizer.padding_side = 'left' before tokenizing."
+                )
+            pad_lengths = (mask == 0).sum(1)
+        token_ids = torch.zeros(batch_size, capacity, dtype=torch.long, device=device)  # [B, C]
+        token_ids[:, :prompt_width] = input_ids
+        return cls(
+            token_ids=token_ids,
+            lengths=torch.full((batch_size,), prompt_width, dtype=torch.long, device=device),
+            pad_lengths=pad_lengths,
+            row_ids=torch.arange(batch_size, device=device),
+            prompt_width=prompt_width,
+        )
+
     def select_rows(self, keep: torch.Tensor) -> None:
         """Keep only rows `keep` ([B'] int64 indices)."""
         self.token_ids = self.token_ids[keep]

@@ -1,21 +1,18 @@
-"""The `custom_generate` entry point, and `install()` / `uninstall()` of the opt-in generate hook.
+"""The `custom_generate` entry point: `generate(model, input_ids, ...)`.
 
-`generate(model, input_ids, ...)` is called by transformers' own `generate` after it prepared the
-inputs, logits processors and stopping criteria; it validates the call, builds the ragged batch
-and the proposer, runs the speculative loop and returns what plain `generate` would return.
-`install()` wraps `GenerationMixin.generate` so that `spec_decoder=`, `assistant_model=`,
-`prompt_lookup_num_tokens=` and `use_mtp=` route here (with `streamer`, `tokenizer` and `stop_strings` forwarded,
-which transformers does not pass to custom decoders); `uninstall()` puts the original back.
+transformers' own `generate` calls it after it prepared the inputs, logits processors and stopping
+criteria; it validates the call, builds the ragged batch and the proposer, runs the speculative
+loop and returns what plain `generate` would return. `hf_specdec.routing` routes transformers'
+own speculation arguments here.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
+from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
@@ -76,7 +73,9 @@ def generate(
     if streamer is not None:
         streamer.put(input_ids.cpu())
 
-    batch = _ragged_batch(input_ids, model_kwargs.get("attention_mask"), generation_config.max_length, spec)
+    batch = RaggedBatch.from_prompts(
+        input_ids, model_kwargs.get("attention_mask"), generation_config.max_length + spec.max_speculative_tokens + 1
+    )
     seeds = row_seeds(spec.seed, batch.batch_size).to(batch.device)
     sampling = StepSampling(processors=logits_processor, do_sample=bool(generation_config.do_sample), seeds=seeds)
     pad = generation_config._pad_token_tensor
@@ -227,137 +226,3 @@ def _check_call(
         )
     if input_ids.ndim != 2 or input_ids.shape[1] == 0:
         raise ValueError(f"hf_specdec needs non-empty input_ids of shape [B, L], got shape {tuple(input_ids.shape)}.")
-
-
-def _ragged_batch(
-    input_ids: torch.Tensor,  # [B, P]
-    attention_mask: torch.Tensor | None,  # [B, P] or None (generate drops an all-ones mask)
-    max_length: int,
-    spec: SpecDecoder,
-) -> RaggedBatch:
-    batch_size, prompt_width = input_ids.shape
-    device = input_ids.device
-    if attention_mask is None:
-        pad_lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
-    else:
-        mask = attention_mask.to(device=device, dtype=torch.long)
-        bad = (mask[:, 1:] < mask[:, :-1]).any(1) | (mask.sum(1) == 0)  # [B] right-padded or empty rows
-        if bool(bad.any()):
-            row = int(bad.nonzero()[0, 0])
-            raise ValueError(
-                "hf_specdec needs left-padded batches (padding first, then the prompt), but the attention_mask of "
-                f"row {row} is {mask[row].tolist()} (padding after a prompt token, or no token at all): set "
-                "tokenizer.padding_side = 'left' before tokenizing."
-            )
-        pad_lengths = (mask == 0).sum(1)
-    capacity = max_length + spec.max_speculative_tokens + 1
-    token_ids = torch.zeros(batch_size, capacity, dtype=torch.long, device=device)  # [B, C]
-    token_ids[:, :prompt_width] = input_ids
-    return RaggedBatch(
-        token_ids=token_ids,
-        lengths=torch.full((batch_size,), prompt_width, dtype=torch.long, device=device),
-        pad_lengths=pad_lengths,
-        row_ids=torch.arange(batch_size, device=device),
-        prompt_width=prompt_width,
-    )
-
-
-# --- install() / uninstall() ----------------------------------------------------------------------
-
-_original_generate = None
-
-
-def install() -> None:
-    """Route `model.generate(spec_decoder=...)`, `assistant_model=`, `prompt_lookup_num_tokens=`, `use_mtp=` here.
-
-    Idempotent. Other calls of `generate` are left exactly as they are; `uninstall()` restores the original.
-    """
-    global _original_generate
-    if _original_generate is not None:
-        return
-    _original_generate = GenerationMixin.generate
-    GenerationMixin.generate = _routed_generate(_original_generate)
-
-
-def uninstall() -> None:
-    """Undo `install()`: `GenerationMixin.generate` is the original function again."""
-    global _original_generate
-    if _original_generate is None:
-        return
-    GenerationMixin.generate = _original_generate
-    _original_generate = None
-
-
-def is_installed() -> bool:
-    return _original_generate is not None
-
-
-def _routed_generate(original):  # noqa: ANN001, ANN202
-    @functools.wraps(original)
-    def generate_with_speculation(self, *args: Any, **kwargs: Any):  # noqa: ANN001, ANN202
-        if kwargs.get("custom_generate") is not None:  # the caller chose its decoder: leave the call as it is
-            return original(self, *args, **kwargs)
-        spec = _spec_from_kwargs(self, kwargs)
-        if spec is None:
-            return original(self, *args, **kwargs)
-        kwargs.update(
-            custom_generate=generate,
-            spec_decoder=spec,
-            spec_streamer=kwargs.pop("streamer", None),
-            spec_tokenizer=kwargs.pop("tokenizer", None),
-            spec_stop_strings=kwargs.pop("stop_strings", None),
-        )
-        return original(self, *args, **kwargs)
-
-    generate_with_speculation.__hf_specdec__ = True
-    return generate_with_speculation
-
-
-def _spec_from_kwargs(model: PreTrainedModel, kwargs: dict[str, Any]) -> SpecDecoder | None:
-    """The SpecDecoder a routed call asks for (popping the kwargs stock generate would act on), or None."""
-    spec = kwargs.pop("spec_decoder", None)
-    config = kwargs.get("generation_config") or model.generation_config
-    assistant = kwargs.pop("assistant_model", None)
-    lookup = kwargs.pop("prompt_lookup_num_tokens", None) or getattr(config, "prompt_lookup_num_tokens", None)
-    use_mtp = kwargs.pop("use_mtp", None) or getattr(config, "use_mtp", None)
-    if spec is not None:
-        if assistant is not None or lookup or use_mtp:
-            raise ValueError(
-                "Pass either spec_decoder= or assistant_model=/prompt_lookup_num_tokens=/use_mtp=, not both."
-            )
-        return spec
-    if use_mtp:
-        # HF drafts one token per MTP layer; num_assistant_tokens= asks for more (the layers then cycle).
-        from hf_specdec.proposers.mtp import check_mtp_target
-
-        k = kwargs.pop("num_assistant_tokens", None) or check_mtp_target(model)
-        return SpecDecoder(method="mtp", num_speculative_tokens=min(int(k), MAX_SPECULATIVE_TOKENS))
-    if assistant is not None:
-        knobs = {name: _assistant_knob(name, kwargs, config, assistant) for name in HF_ASSISTANT_DEFAULTS}
-        return SpecDecoder(
-            draft_model=assistant,
-            num_speculative_tokens=min(int(knobs["num_assistant_tokens"]), MAX_SPECULATIVE_TOKENS),
-            num_speculative_tokens_schedule=knobs["num_assistant_tokens_schedule"],
-            draft_confidence_threshold=float(knobs["assistant_confidence_threshold"]) or None,
-        )
-    if lookup:
-        max_n = kwargs.pop("max_matching_ngram_size", None) or getattr(config, "max_matching_ngram_size", None) or 2
-        return SpecDecoder(method="ngram", num_speculative_tokens=int(lookup), prompt_lookup_max=int(max_n))
-    return None
-
-
-#: HF's assistant knobs and transformers' defaults for them (`GenerationConfig._get_default_generation_params`).
-HF_ASSISTANT_DEFAULTS = {
-    "num_assistant_tokens": 20,
-    "num_assistant_tokens_schedule": "constant",
-    "assistant_confidence_threshold": 0.4,
-}
-
-
-def _assistant_knob(name: str, kwargs: dict[str, Any], config: GenerationConfig, assistant: PreTrainedModel) -> Any:
-    """An assistant knob as HF resolves it: the call's kwarg, the target's generation_config, the assistant's, default."""
-    value = kwargs.pop(name, None)
-    for source in (config, getattr(assistant, "generation_config", None)):
-        if value is None:
-            value = getattr(source, name, None)
-    return HF_ASSISTANT_DEFAULTS[name] if value is None else value

@@ -12,7 +12,7 @@ from transformers.generation import candidate_generator
 
 import hf_specdec
 from hf_specdec import schedules
-from hf_specdec.generation import _spec_from_kwargs
+from hf_specdec.routing import _spec_from_kwargs
 from hf_specdec.schedules import ConfidenceThreshold, HeuristicSchedule, best_threshold
 
 GREEDY = dict(max_new_tokens=40, do_sample=False, eos_token_id=None)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from hf_specdec.benchmarking import generate_batch
-from hf_specdec.prompts import DEMO_PROMPTS, Prompt
+from hf_specdec.tools.benchmarking import generate_batch
+from hf_specdec.tools.prompts import DEMO_PROMPTS, Prompt
 
 __all__ = ["print_table", "run_demo"]
 
@@ -64,7 +64,7 @@ def run_demo(
     Args:
         max_new_tokens (`int`, *optional*, defaults to 96): tokens generated per prompt.
         k (`int`, *optional*, defaults to 5): draft tokens per speculative step.
-        model, tokenizer (*optional*): defaults to SmolLM2-135M-Instruct via `hf_specdec.smollm.load_smollm2`.
+        model, tokenizer (*optional*): defaults to SmolLM2-135M-Instruct via `hf_specdec.tools.smollm.load_smollm2`.
         prompts (`list[Prompt]`, *optional*): defaults to `DEMO_PROMPTS`.
         stream (`bool`, *optional*, defaults to `True`): stream the speculative output as it is generated.
         file (*optional*): where to print (defaults to stdout).
@@ -76,7 +76,7 @@ def run_demo(
 
     file = file or sys.stdout
     if model is None or tokenizer is None:
-        from hf_specdec.smollm import load_smollm2
+        from hf_specdec.tools.smollm import load_smollm2
 
         print("Loading SmolLM2-135M-Instruct (offline; the first load dequantises the GGUF file)...", file=file)
         model, tokenizer = load_smollm2()

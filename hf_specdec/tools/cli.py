@@ -1,7 +1,7 @@
 """The ``hf-specdec`` console script: ``demo``, ``generate`` and ``bench`` sub-commands.
 
-Only argument parsing and printing live here; the work is done by `hf_specdec.demo`, `hf_specdec.benchmarking`,
-`hf_specdec.model_loading` and `hf_specdec.prompts`. Bad arguments end with exit code 2 and a message that says
+Only argument parsing and printing live here; the work is done by `hf_specdec.tools.demo`, `hf_specdec.tools.benchmarking`,
+`hf_specdec.tools.model_loading` and `hf_specdec.tools.prompts`. Bad arguments end with exit code 2 and a message that says
 what to pass instead. Run ``hf-specdec COMMAND --help`` for each command's options.
 """
 
@@ -140,7 +140,7 @@ def _check_sampling(parser: argparse.ArgumentParser, args: argparse.Namespace) -
 
 
 def _load_models(parser: argparse.ArgumentParser, args: argparse.Namespace, need_draft: bool) -> tuple[Any, Any, Any]:
-    from hf_specdec.model_loading import TINY, load_model
+    from hf_specdec.tools.model_loading import TINY, load_model
 
     if args.tiny:
         if args.model not in (None, "smollm2", TINY) or args.draft not in (None, TINY):
@@ -167,15 +167,15 @@ def _sampling_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from hf_specdec.demo import run_demo
+    from hf_specdec.tools.demo import run_demo
 
     run_demo(max_new_tokens=args.max_new_tokens, k=args.k, stream=not args.no_stream)
     return 0
 
 
 def _cmd_generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from hf_specdec.benchmarking import generate_batch
-    from hf_specdec.prompts import Prompt, read_prompts
+    from hf_specdec.tools.benchmarking import generate_batch
+    from hf_specdec.tools.prompts import Prompt, read_prompts
 
     _check_sampling(parser, args)
     method = args.method or ("draft" if args.draft else "ngram")
@@ -220,9 +220,9 @@ def _cmd_generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
 
 
 def _cmd_bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from hf_specdec.benchmarking import parse_methods, plot_speedup, run_benchmark, save_results, summarize
-    from hf_specdec.demo import print_table
-    from hf_specdec.prompts import read_prompts
+    from hf_specdec.tools.benchmarking import parse_methods, plot_speedup, run_benchmark, save_results, summarize
+    from hf_specdec.tools.demo import print_table
+    from hf_specdec.tools.prompts import read_prompts
 
     _check_sampling(parser, args)
     has_draft = args.draft is not None or args.tiny
@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    from hf_specdec.smollm import SmolLM2NotAvailableError
+    from hf_specdec.tools.smollm import SmolLM2NotAvailableError
 
     try:
         if args.command == "demo":

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from hf_specdec.benchmarking import parse_methods, spec_variant
-from hf_specdec.cli import main
+from hf_specdec.tools.benchmarking import parse_methods, spec_variant
+from hf_specdec.tools.cli import main
 
 
 def test_spec_variants_parse():

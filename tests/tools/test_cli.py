@@ -1,6 +1,6 @@
 """Tests of the ``hf-specdec`` CLI on tiny random models: argument errors, ``bench --tiny`` and ``generate``.
 
-Commands run in-process through `hf_specdec.cli.main` (no subprocess start-up per test); one test runs the
+Commands run in-process through `hf_specdec.tools.cli.main` (no subprocess start-up per test); one test runs the
 installed console script to check the entry point.
 """
 
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from hf_specdec.benchmarking import parse_methods
-from hf_specdec.cli import main
-from hf_specdec.prompts import read_prompts
+from hf_specdec.tools.benchmarking import parse_methods
+from hf_specdec.tools.cli import main
+from hf_specdec.tools.prompts import read_prompts
 
 PROMPTS = [
     {"question_id": 1, "category": "code", "turns": ["def add(a, b):\n    return a + b\n\nRename add to plus.", "x"]},
@@ -183,7 +183,18 @@ def test_mtp_on_a_model_without_mtp_layers_is_reported_clearly(capsys: pytest.Ca
 
 def test_console_script_entry_point() -> None:
     exe = shutil.which("hf-specdec")
-    cmd = [exe] if exe else [sys.executable, "-m", "hf_specdec.cli"]
+    cmd = [exe] if exe else [sys.executable, "-m", "hf_specdec.tools.cli"]
     proc = subprocess.run([*cmd, "generate", "--help"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "--prompts FILE.jsonl" in proc.stdout
+
+
+def test_help_imports_neither_torch_nor_transformers() -> None:
+    """`hf-specdec --help` stays fast: parsing arguments never imports torch or transformers (lazy imports)."""
+    code = (
+        "import sys\nfrom hf_specdec.tools.cli import build_parser\nbuild_parser().format_help()\n"
+        "import hf_specdec\nheavy = sorted(m for m in ('torch', 'transformers') if m in sys.modules)\nprint(heavy)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from hf_specdec.prompts import Prompt, encode_batch
+from hf_specdec.tools.prompts import Prompt, encode_batch
 
 __all__ = [
     "METHODS", "BatchResult", "generate_batch", "parse_methods", "plot_speedup", "run_benchmark", "spec_variant",

@@ -1,6 +1,6 @@
 """Model loading for the CLI, the examples and the benchmarks: real checkpoints, SmolLM2 offline, tiny random Llamas.
 
-`load_model("smollm2")` loads the offline SmolLM2-135M-Instruct (see `hf_specdec.smollm`); `load_model("tiny")`
+`load_model("smollm2")` loads the offline SmolLM2-135M-Instruct (see `hf_specdec.tools.smollm`); `load_model("tiny")`
 builds a tiny random Llama target from a config, and `tiny_models()` gives a target plus a smaller draft that share
 its vocabulary and a small byte-level BPE tokenizer trained in memory, so everything runs with no checkpoint at all.
 Any other name is passed to `from_pretrained` (a local directory, or a hub id when a hub is reachable).
@@ -122,7 +122,7 @@ def load_tokenizer(name_or_path: str, gguf_file: str | None = None) -> Any:
     if name_or_path == TINY:
         return tiny_models()[2]
     if name_or_path == SMOLLM2:
-        from hf_specdec.smollm import load_smollm2
+        from hf_specdec.tools.smollm import load_smollm2
 
         return load_smollm2()[1]
     from transformers import AutoTokenizer
@@ -163,7 +163,7 @@ def load_model(
         target, draft, tokenizer = tiny_models(device=dev)
         return (draft if role == "draft" else target).to(torch_dtype), tokenizer
     if name_or_path == SMOLLM2:
-        from hf_specdec.smollm import load_smollm2
+        from hf_specdec.tools.smollm import load_smollm2
 
         return load_smollm2(dtype=torch_dtype, device=dev)
     from transformers import AutoModelForCausalLM

@@ -11,8 +11,8 @@ import importlib.util
 import pytest
 import torch
 
-from hf_specdec import smollm
-from hf_specdec.smollm import INSTALL_HINT, SmolLM2NotAvailableError, is_smollm2_available, load_smollm2
+from hf_specdec.tools import smollm
+from hf_specdec.tools.smollm import INSTALL_HINT, SmolLM2NotAvailableError, is_smollm2_available, load_smollm2
 
 needs_smollm2 = pytest.mark.skipif(not is_smollm2_available(), reason=f"SmolLM2 not installed: {INSTALL_HINT}")
 
@@ -59,7 +59,7 @@ def test_load_smollm2(smollm2) -> None:
 @needs_smollm2
 def test_smollm2_greedy_ngram_is_exact(smollm2) -> None:
     import hf_specdec
-    from hf_specdec.prompts import DEMO_PROMPTS, encode_batch
+    from hf_specdec.tools.prompts import DEMO_PROMPTS, encode_batch
 
     model, tokenizer = smollm2
     inputs = encode_batch(tokenizer, [p.text for p in DEMO_PROMPTS[:2]])
@@ -74,8 +74,8 @@ def test_smollm2_greedy_ngram_is_exact(smollm2) -> None:
 @pytest.mark.slow
 @needs_smollm2
 def test_demo_end_to_end(capsys: pytest.CaptureFixture, smollm2) -> None:
-    from hf_specdec.cli import main
-    from hf_specdec.demo import run_demo
+    from hf_specdec.tools.cli import main
+    from hf_specdec.tools.demo import run_demo
 
     model, tokenizer = smollm2
     rows = run_demo(max_new_tokens=24, k=5, model=model, tokenizer=tokenizer)

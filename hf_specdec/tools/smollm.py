@@ -165,7 +165,7 @@ def load_smollm2(dtype: torch.dtype | str = torch.float32, device: str | torch.d
 
     Example:
     ```python
-    >>> from hf_specdec.smollm import load_smollm2
+    >>> from hf_specdec.tools.smollm import load_smollm2
     >>> model, tok = load_smollm2()
     ```
     """

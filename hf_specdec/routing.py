@@ -1,0 +1,115 @@
+"""`install()` / `uninstall()`: the opt-in hook that routes transformers' own speculation arguments to hf_specdec.
+
+`install()` wraps `GenerationMixin.generate` so that `spec_decoder=`, `assistant_model=`, `prompt_lookup_num_tokens=`
+and `use_mtp=` run through `hf_specdec.generate` (with `streamer`, `tokenizer` and `stop_strings` forwarded, which
+transformers does not pass to custom decoders); every other call is left exactly as it is. `uninstall()` puts the
+original back.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
+
+from hf_specdec.config import MAX_SPECULATIVE_TOKENS, SpecDecoder
+from hf_specdec.generation import generate
+
+_original_generate = None
+
+
+def install() -> None:
+    """Route `model.generate(spec_decoder=...)`, `assistant_model=`, `prompt_lookup_num_tokens=`, `use_mtp=` here.
+
+    Idempotent. Other calls of `generate` are left exactly as they are; `uninstall()` restores the original.
+    """
+    global _original_generate
+    if _original_generate is not None:
+        return
+    _original_generate = GenerationMixin.generate
+    GenerationMixin.generate = _routed_generate(_original_generate)
+
+
+def uninstall() -> None:
+    """Undo `install()`: `GenerationMixin.generate` is the original function again."""
+    global _original_generate
+    if _original_generate is None:
+        return
+    GenerationMixin.generate = _original_generate
+    _original_generate = None
+
+
+def is_installed() -> bool:
+    return _original_generate is not None
+
+
+def _routed_generate(original):  # noqa: ANN001, ANN202
+    @functools.wraps(original)
+    def generate_with_speculation(self, *args: Any, **kwargs: Any):  # noqa: ANN001, ANN202
+        if kwargs.get("custom_generate") is not None:  # the caller chose its decoder: leave the call as it is
+            return original(self, *args, **kwargs)
+        spec = _spec_from_kwargs(self, kwargs)
+        if spec is None:
+            return original(self, *args, **kwargs)
+        kwargs.update(
+            custom_generate=generate,
+            spec_decoder=spec,
+            spec_streamer=kwargs.pop("streamer", None),
+            spec_tokenizer=kwargs.pop("tokenizer", None),
+            spec_stop_strings=kwargs.pop("stop_strings", None),
+        )
+        return original(self, *args, **kwargs)
+
+    generate_with_speculation.__hf_specdec__ = True
+    return generate_with_speculation
+
+
+def _spec_from_kwargs(model: PreTrainedModel, kwargs: dict[str, Any]) -> SpecDecoder | None:
+    """The SpecDecoder a routed call asks for (popping the kwargs stock generate would act on), or None."""
+    spec = kwargs.pop("spec_decoder", None)
+    config = kwargs.get("generation_config") or model.generation_config
+    assistant = kwargs.pop("assistant_model", None)
+    lookup = kwargs.pop("prompt_lookup_num_tokens", None) or getattr(config, "prompt_lookup_num_tokens", None)
+    use_mtp = kwargs.pop("use_mtp", None) or getattr(config, "use_mtp", None)
+    if spec is not None:
+        if assistant is not None or lookup or use_mtp:
+            raise ValueError(
+                "Pass either spec_decoder= or assistant_model=/prompt_lookup_num_tokens=/use_mtp=, not both."
+            )
+        return spec
+    if use_mtp:
+        # HF drafts one token per MTP layer; num_assistant_tokens= asks for more (the layers then cycle).
+        from hf_specdec.proposers.mtp import check_mtp_target
+
+        k = kwargs.pop("num_assistant_tokens", None) or check_mtp_target(model)
+        return SpecDecoder(method="mtp", num_speculative_tokens=min(int(k), MAX_SPECULATIVE_TOKENS))
+    if assistant is not None:
+        knobs = {name: _assistant_knob(name, kwargs, config, assistant) for name in HF_ASSISTANT_DEFAULTS}
+        return SpecDecoder(
+            draft_model=assistant,
+            num_speculative_tokens=min(int(knobs["num_assistant_tokens"]), MAX_SPECULATIVE_TOKENS),
+            num_speculative_tokens_schedule=knobs["num_assistant_tokens_schedule"],
+            draft_confidence_threshold=float(knobs["assistant_confidence_threshold"]) or None,
+        )
+    if lookup:
+        max_n = kwargs.pop("max_matching_ngram_size", None) or getattr(config, "max_matching_ngram_size", None) or 2
+        return SpecDecoder(method="ngram", num_speculative_tokens=int(lookup), prompt_lookup_max=int(max_n))
+    return None
+
+
+#: HF's assistant knobs and transformers' defaults for them (`GenerationConfig._get_default_generation_params`).
+HF_ASSISTANT_DEFAULTS = {
+    "num_assistant_tokens": 20,
+    "num_assistant_tokens_schedule": "constant",
+    "assistant_confidence_threshold": 0.4,
+}
+
+
+def _assistant_knob(name: str, kwargs: dict[str, Any], config: GenerationConfig, assistant: PreTrainedModel) -> Any:
+    """An assistant knob as HF resolves it: the call's kwarg, the target's generation_config, the assistant's, default."""
+    value = kwargs.pop(name, None)
+    for source in (config, getattr(assistant, "generation_config", None)):
+        if value is None:
+            value = getattr(source, name, None)
+    return HF_ASSISTANT_DEFAULTS[name] if value is None else value
