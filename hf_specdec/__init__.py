@@ -29,7 +29,15 @@ _EXPORTS = {
     "uninstall": "hf_specdec.routing",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "SpecDecodeOutput",
+    "SpecDecodeStats",
+    "SpecDecoder",
+    "generate",
+    "install",
+    "is_installed",
+    "uninstall",
+]
 
 __version__ = "0.1.0"
 

@@ -18,7 +18,7 @@ from transformers.generation.stopping_criteria import StoppingCriteriaList, Stop
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from hf_specdec.batch import RaggedBatch
-from hf_specdec.config import MAX_SPECULATIVE_TOKENS, SpecDecoder
+from hf_specdec.config import SpecDecoder
 from hf_specdec.decoding import SpeculativeLoop
 from hf_specdec.metrics import SpecDecodeStats
 from hf_specdec.proposers.base import Proposer
