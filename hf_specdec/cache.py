@@ -98,16 +98,18 @@ class CacheView:
     def _attention_mask(
         self,
         queries: torch.Tensor,  # [B, w] buffer index of each query, -1 for unused slots
-        keys: torch.Tensor,  # [B, W + w] buffer index held by each cache column, -1 for holes
+        keys: torch.Tensor,  # [B, W] buffer index held by each cache column, -1 for holes
+        own_columns: torch.Tensor | None = None,  # [w] the column each query writes; default: the last w
     ) -> torch.Tensor | dict[str, torch.Tensor]:
-        """Explicit masks [B, 1, w, W + w]: a query sees the real keys at or before its own index."""
+        """Explicit masks [B, 1, w, W]: a query sees the real keys at or before its own index."""
         q = queries[:, :, None]  # [B, w, 1]
-        k = keys[:, None, :]  # [B, 1, W + w]
-        allowed = (k >= 0) & (k <= q) & (q >= 0)  # [B, w, W + w]
+        k = keys[:, None, :]  # [B, 1, W]
+        allowed = (k >= 0) & (k <= q) & (q >= 0)  # [B, w, W]
         # Every query sees at least its own column, so that unused slots never produce NaNs.
         width = queries.shape[1]
-        own = torch.zeros_like(allowed)
-        own[:, :, keys.shape[1] - width :] = torch.eye(width, dtype=torch.bool, device=keys.device)
+        if own_columns is None:
+            own_columns = keys.shape[1] - width + torch.arange(width, device=keys.device)
+        own = torch.arange(keys.shape[1], device=keys.device)[None, None, :] == own_columns[None, :, None]  # [1, w, W]
         masks = {"full_attention": allowed | own}
         if self.sliding_window is not None:
             masks["sliding_attention"] = (allowed & (q - k < self.sliding_window)) | own

@@ -10,7 +10,8 @@ the token rows as plain `generate` would lay them out, plus the per-token scores
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedModel
@@ -22,7 +23,20 @@ from hf_specdec.proposers.base import Proposal, Proposer
 from hf_specdec.sampling import random as row_random
 from hf_specdec.sampling.processors import StepSampling
 from hf_specdec.sampling.rejection import rejection_sample
+from hf_specdec.static_cache import StaticCacheView
 from hf_specdec.stopping import StopRules
+
+
+@dataclass
+class StaticPlan:
+    """How a call runs on static caches: their column count and the compiled forward of each model (or None)."""
+
+    k: int  # drafts per step: every verify after the prefill has width 1 + k (or 1 when nobody drafts)
+    max_columns: int  # static cache length: max_length + k + 1 + room for holes between compactions
+    compiled_call: Callable[[PreTrainedModel], Callable | None]  # model -> its compiled __call__, or None (eager)
+    compile_time_s: float = 0.0  # seconds spent in forwards that compiled or captured a new graph
+    num_compactions: int = 0
+    views: list = field(default_factory=list)  # the call's StaticCacheViews (target, draft), in creation order
 
 
 @dataclass
@@ -47,6 +61,7 @@ class SpeculativeLoop:
         streamer: object | None,
         output_scores: bool,
         output_logits: bool,
+        static: StaticPlan | None = None,
     ) -> None:
         self.model = model
         self.proposer = proposer
@@ -57,9 +72,18 @@ class SpeculativeLoop:
         self.max_length = max_length
         self.streamer = streamer
         self.stats = SpecDecodeStats()
-        self.target = CacheView(model, batch.batch_size, batch.pad_lengths)
         total = batch.batch_size
         device = batch.device
+        self.static = static
+        # On a static cache rows never leave the batch (a new batch size would be a new graph): finished rows stay,
+        # frozen (fed nothing, emit nothing) until every row is done.
+        self.frozen = torch.zeros(total, dtype=torch.bool, device=device)  # [B]
+        self.num_frozen = 0
+        if static is None:
+            self.target = CacheView(model, batch.batch_size, batch.pad_lengths)
+        else:
+            self.target = StaticCacheView(model, total, batch.pad_lengths, static)
+            proposer.use_static(static)
         self.sequences = batch.token_ids[:, :max_length].clone()  # [B_total, max_length] final rows
         self.final_lengths = batch.lengths.clone()  # [B_total] length of each row when it left
         self.streamed = batch.prompt_width
@@ -77,18 +101,24 @@ class SpeculativeLoop:
 
     def run(self) -> LoopOutput:
         start = time.perf_counter()
+        self.stats.start(self.k, self.batch.device)
         self.proposer.attach(self.model)
         try:
             self.proposer.prefill(self.batch, self.sampling)
             self.step()  # step 0: its verify is the target's prefill, as in plain generate and HF's assisted loop
-            if self.batch.batch_size:
+            self.stats.time_to_first_token_s = time.perf_counter() - start
+            if self.live():
                 self.proposer.calibrate(self.time_verify)
-            while self.batch.batch_size > 0:
+            while self.live():
                 self.step()
         finally:
             self.proposer.detach()
         self.stats.wall_time_s = time.perf_counter() - start
         return self.finish()
+
+    def live(self) -> bool:
+        """Whether any row still generates (host state only: no sync)."""
+        return self.batch.batch_size > self.num_frozen
 
     def time_verify(self, width: int) -> float:
         """Seconds one target forward of `width` tokens per row takes right now; the forward is then undone.
@@ -96,11 +126,13 @@ class SpeculativeLoop:
         It feeds whatever the scratch space past each row's tokens holds (its cost does not depend on the ids)
         and rolls the cache back, so the sequences, the caches and the stats are as before.
         """
+        if self.static is not None:  # a static verify runs at width 1 or 1 + k: those are the costs to know
+            width = 1 if width == 1 else 1 + self.k
         num_new = torch.full((self.batch.batch_size,), width, dtype=torch.long, device=self.batch.device)
         synchronize = torch.cuda.synchronize if self.batch.device.type == "cuda" else (lambda: None)
         synchronize()
         start = time.perf_counter()
-        self.target.forward(self.batch.token_ids, num_new)
+        self.target.forward(self.batch.token_ids, num_new, **self._width(width))
         synchronize()
         seconds = time.perf_counter() - start
         self.target.rollback(self.batch.lengths - 1)
@@ -116,9 +148,13 @@ class SpeculativeLoop:
         self.retire_finished()
         self.sampling.step += 1
 
+    def _width(self, width: int) -> dict[str, int]:
+        """The fixed slot count of a static forward (its CUDA graph); a dynamic forward finds its own."""
+        return {} if self.static is None else {"width": width}
+
     def propose(self) -> Proposal:
         room = self.max_length - self.batch.lengths - 1  # [B] drafts that still fit before max_length
-        max_draft = room.clamp(min=0, max=self.k)  # [B]
+        max_draft = room.clamp(min=0, max=self.k).masked_fill(self.frozen, 0)  # [B]
         proposal = self.proposer.propose(self.batch, max_draft, self.sampling)
         # Drafts go into the scratch space after each row's tokens: processors and stops read them.
         width = proposal.draft_token_ids.shape[1]
@@ -140,10 +176,13 @@ class SpeculativeLoop:
         that verify is the prefill, so the first tokens cost no forward of their own.
         """
         unseen = self.batch.lengths - self.target.cached_lengths  # [B] 1, or the whole row at step 0
-        keep = None  # after step 0 every fed slot is [newest token, drafts]: keep them all (no host sync)
+        num_new = (unseen + proposal.num_draft_tokens).masked_fill(self.frozen, 0)  # [B]
+        width = proposal.draft_token_ids.shape[1]  # the longest row's drafts (dynamic), or k (static)
         if self.target.width == 0:  # step 0: of the prefill keep [last prompt token, drafts]
-            keep = 1 + int(proposal.num_draft_tokens.max().item())
-        return self.target.forward(self.batch.token_ids, unseen + proposal.num_draft_tokens, logits_to_keep=keep)
+            fed = self._width(self.batch.prompt_width + width)
+            return self.target.forward(self.batch.token_ids, num_new, logits_to_keep=1 + width, **fed)
+        # After step 0 every fed slot is [newest token, drafts]: keep them all (no host sync).
+        return self.target.forward(self.batch.token_ids, num_new, **self._width(1 + proposal.draft_token_ids.shape[1]))
 
     def score(self, proposal: Proposal, target_logits: torch.Tensor) -> torch.Tensor:  # [B, 1 + k, V]
         width = target_logits.shape[1]
@@ -163,7 +202,7 @@ class SpeculativeLoop:
             exponentials = torch.ones(batch_size, 1, device=device).expand(batch_size, vocab)
         is_greedy = torch.full((batch_size,), not self.sampling.do_sample, device=device)
         draft_probs = proposal.draft_probs if self.sampling.do_sample else None
-        return rejection_sample(
+        output_ids = rejection_sample(
             scores,
             proposal.draft_token_ids,
             proposal.num_draft_tokens,
@@ -172,6 +211,7 @@ class SpeculativeLoop:
             uniforms,
             exponentials,
         )
+        return output_ids.masked_fill(self.frozen[:, None], -1)  # frozen rows emit nothing
 
     def commit(
         self,
@@ -189,11 +229,10 @@ class SpeculativeLoop:
         columns = (batch.lengths[:, None] + torch.arange(width, device=batch.device)).clamp(max=batch.capacity - 1)
         emitted = output_ids >= 0
         batch.token_ids[rows, columns] = torch.where(emitted, output_ids, batch.token_ids[rows, columns])
-        num_kept = self.stop_rules.apply(batch, num_emitted)  # [B]
+        num_kept = self.stop_rules.apply(batch, num_emitted, width)  # [B]
         self.record_outputs(num_kept, scores, target_logits)
         batch.lengths = batch.lengths + num_kept
-        self.stats.record_step(proposal.num_draft_tokens, num_accepted)
-        self.stats.num_generated_tokens += int(num_kept.sum().item())
+        self.stats.record_step(proposal.num_draft_tokens, num_accepted, batch.batch_size - self.num_frozen)
         return num_kept, num_accepted
 
     def rollback(self, num_accepted: torch.Tensor) -> None:
@@ -216,9 +255,16 @@ class SpeculativeLoop:
                 buffer[batch.row_ids[rows], targets] = values[rows, cols]
 
     def retire_finished(self) -> None:
-        """Rows that are done leave the batch (their tokens are copied out first); stream what is final."""
+        """Rows that are done leave the batch (their tokens are copied out first); stream what is final.
+
+        On a static cache they stay, frozen. Reading which rows are done is the step's one host sync.
+        """
         batch = self.batch
         done = self.stop_rules.done(batch) | (batch.lengths >= self.max_length)  # [B]
+        if self.static is not None:
+            self._freeze(done & ~self.frozen)
+            self.stream()
+            return
         if done.any():
             leaving = done.nonzero().squeeze(1)
             for i in leaving.tolist():
@@ -233,16 +279,35 @@ class SpeculativeLoop:
             self.stop_rules.select_rows(keep)
         self.stream()
 
+    def _freeze(self, newly_done: torch.Tensor) -> None:  # [B] bool
+        """Copy out the rows that just finished and freeze them. The step's one host read: [3, B] ints, plus the
+        write offset of every static cache (so that no forward has to read one to know whether it fits)."""
+        views = self.static.views
+        offsets = torch.stack([view.offset for view in views]).expand(len(self.batch.lengths), -1).T  # [n, B]
+        rows_info = torch.stack([newly_done.long(), self.batch.row_ids, self.batch.lengths])  # [3, B]
+        done, row_ids, lengths, *view_offsets = torch.cat([rows_info, offsets]).tolist()
+        for view, offset in zip(views, view_offsets):
+            view.offset_bound = offset[0] if offset else 0
+        rows = [i for i, d in enumerate(done) if d]
+        for i in rows:
+            self.sequences[row_ids[i], : lengths[i]] = self.batch.token_ids[i, : lengths[i]]
+            self.final_lengths[row_ids[i]] = lengths[i]
+        if rows:
+            self.frozen |= newly_done
+            self.num_frozen += len(rows)
+
     def stream(self) -> None:
         """Send the columns that no row can still change to the streamer, one [B] column at a time."""
         if self.streamer is None:
             return
-        final_length = self.stop_rules.final_length(self.final_lengths, self.batch)
-        safe = int(self.batch.lengths.min().item()) if self.batch.batch_size else final_length
+        final_length = self.stop_rules.final_length(self.final_lengths, self.batch, self.live())
+        lengths = self.batch.lengths[~self.frozen]  # [B_live]
+        safe = int(lengths.min().item()) if lengths.numel() else final_length
         safe = min(safe, final_length)
         if safe <= self.streamed:
             return
-        live = {int(r): i for i, r in enumerate(self.batch.row_ids.tolist())}
+        frozen = self.frozen.tolist()
+        live = {int(r): i for i, r in enumerate(self.batch.row_ids.tolist()) if not frozen[i]}
         block = self.sequences[:, self.streamed : safe].clone()  # [B_total, n]
         for row, i in live.items():
             block[row] = self.batch.token_ids[i, self.streamed : safe]
@@ -252,7 +317,12 @@ class SpeculativeLoop:
         self.streamed = safe
 
     def finish(self) -> LoopOutput:
-        final_length = self.stop_rules.final_length(self.final_lengths, self.batch)
+        final_length = self.stop_rules.final_length(self.final_lengths, self.batch, self.live())
+        self.stats.num_generated_tokens = int((self.final_lengths - self.batch.prompt_width).sum())
+        self.stats.finalize()
+        if self.static is not None:
+            self.stats.compile_time_s = self.static.compile_time_s
+            self.stats.num_compactions = self.static.num_compactions
         sequences = self.sequences[:, :final_length]
         sequences = self.stop_rules.pad_finished(sequences, self.final_lengths, 0, {})
         if self.streamer is not None:

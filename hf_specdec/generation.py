@@ -8,6 +8,7 @@ own speculation arguments here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,9 +18,10 @@ from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from hf_specdec import compat
 from hf_specdec.batch import RaggedBatch
 from hf_specdec.config import SpecDecoder
-from hf_specdec.decoding import SpeculativeLoop
+from hf_specdec.decoding import SpeculativeLoop, StaticPlan
 from hf_specdec.metrics import SpecDecodeStats
 from hf_specdec.proposers.base import Proposer
 from hf_specdec.proposers.top1 import Top1Proposer
@@ -96,6 +98,9 @@ def generate(
         streamer=streamer,
         output_scores=bool(generation_config.return_dict_in_generate and generation_config.output_scores),
         output_logits=bool(generation_config.return_dict_in_generate and generation_config.output_logits),
+        static=static_plan(model, spec, generation_config)
+        if generation_config.cache_implementation == "static"
+        else None,
     )
     result = loop.run()
     loop.proposer.finish()
@@ -105,6 +110,24 @@ def generate(
             sequences=result.sequences, scores=result.scores, logits=result.logits, spec_stats=loop.stats
         )
     return result.sequences
+
+
+#: Static caches get at least this many columns beyond max_length + k + 1 for holes between compactions.
+STATIC_HOLE_ROOM = 64
+
+
+def static_plan(model: PreTrainedModel, spec: SpecDecoder, generation_config: GenerationConfig) -> StaticPlan:
+    """Static caches for this call, and the compiled forwards transformers' own rules allow (CUDA: graphs)."""
+    k = spec.max_speculative_tokens
+    # Room for every token, one verify's slots, and holes that lagging rows leave between two compactions.
+    max_columns = generation_config.max_length + k + 1 + max(STATIC_HOLE_ROOM, 4 * (k + 1))
+
+    def compiled_for(m: PreTrainedModel) -> Callable | None:
+        if m is model and spec.method == "mtp":  # MTP reads the target's hidden states through a forward hook
+            return None
+        return compat.compiled_call(m, generation_config)
+
+    return StaticPlan(k=k, max_columns=max_columns, compiled_call=compiled_for)
 
 
 def build_proposer(spec: SpecDecoder, model: PreTrainedModel) -> Top1Proposer:
@@ -208,10 +231,11 @@ def _check_call(
             "were requested, which hf_specdec does not support yet: drop them "
             "(output_scores and output_logits are supported)."
         )
-    if config.cache_implementation not in (None, "dynamic"):
+    if config.cache_implementation not in (None, "dynamic", "static"):
         raise NotImplementedError(
-            f"cache_implementation={config.cache_implementation!r} is not supported by hf_specdec yet: it keeps its own "
-            "DynamicCache per call; drop cache_implementation."
+            f"cache_implementation={config.cache_implementation!r} is not supported by hf_specdec: it runs on its own "
+            "DynamicCache (the default) or StaticCache (cache_implementation='static', compiled on a GPU); pass one "
+            "of those."
         )
     cache = model_kwargs.get("past_key_values")
     if cache is not None and cache.get_seq_length() > 0:

@@ -24,8 +24,13 @@ class SpecDecodeStats:
     num_accepted_tokens: int = 0
     num_generated_tokens: int = 0  # tokens kept in the outputs, all rows
     wall_time_s: float = 0.0
+    time_to_first_token_s: float = 0.0  # from the call's start to the end of step 0 (the prefill's verify)
+    compile_time_s: float = 0.0  # seconds in forwards that compiled or captured a graph (static caches on a GPU)
+    num_compactions: int = 0  # static caches: in-place compactions of holes
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
+    # [2, k] drafted / accepted per position, on the loop's device until `finalize` (no host sync per step)
+    _counts: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     @property
     def acceptance_rate(self) -> float:
@@ -48,35 +53,43 @@ class SpecDecodeStats:
     def tokens_per_second(self) -> float:
         return self.num_generated_tokens / self.wall_time_s if self.wall_time_s > 0 else 0.0
 
+    def start(self, max_k: int, device: torch.device) -> None:
+        """Called when the call starts: the per-position counters live on `device` until `finalize`."""
+        self._counts = torch.zeros(2, max_k, dtype=torch.long, device=device)
+
     def record_step(
         self,
         num_draft_tokens: torch.Tensor,  # [B] drafts per row this step
         num_accepted: torch.Tensor,  # [B] accepted drafts per row this step
+        num_rows: int,  # rows that took part in the step (frozen rows of a static batch excluded)
     ) -> None:
-        """Add one verify step of the batch to the counters (one host sync)."""
-        k = int(num_draft_tokens.max().item()) if num_draft_tokens.numel() else 0
+        """Add one verify step of the batch to the counters (on the device: no host sync)."""
         self.num_steps += 1
-        self.num_row_steps += num_draft_tokens.numel()
-        if k == 0:
-            return
-        positions = torch.arange(k, device=num_draft_tokens.device)  # [k]
+        self.num_row_steps += num_rows
+        if self._counts is None:
+            raise RuntimeError("SpecDecodeStats.start(max_k, device) must be called before record_step")
+        positions = torch.arange(self._counts.shape[1], device=num_draft_tokens.device)  # [k]
         drafted = (positions < num_draft_tokens[:, None]).sum(0)  # [k]
         accepted = (positions < num_accepted[:, None]).sum(0)  # [k]
-        counts = torch.stack([drafted, accepted]).tolist()
-        if len(self.drafted_per_position) < k:
-            grow = k - len(self.drafted_per_position)
-            self.drafted_per_position += [0] * grow
-            self.accepted_per_position += [0] * grow
-        for j in range(k):
-            self.drafted_per_position[j] += counts[0][j]
-            self.accepted_per_position[j] += counts[1][j]
-        self.num_draft_tokens += sum(counts[0])
-        self.num_accepted_tokens += sum(counts[1])
-        self.num_drafting_row_steps += counts[0][0]
+        self._counts += torch.stack([drafted, accepted])
+
+    def finalize(self) -> None:
+        """Copy the device counters to the plain fields (one host sync, at the end of the call)."""
+        if self._counts is None:
+            return
+        drafted, accepted = self._counts.tolist()
+        self._counts = None
+        used = max((j + 1 for j, d in enumerate(drafted) if d), default=0)
+        self.drafted_per_position = drafted[:used]
+        self.accepted_per_position = accepted[:used]
+        self.num_draft_tokens = sum(drafted)
+        self.num_accepted_tokens = sum(accepted)
+        self.num_drafting_row_steps = drafted[0] if drafted else 0
 
     def to_dict(self) -> dict:
         """Plain dict with the counters and the derived rates (for JSON)."""
         out = asdict(self)
+        out.pop("_counts", None)
         out.update(
             acceptance_rate=self.acceptance_rate,
             mean_accepted_length=self.mean_accepted_length,

@@ -29,18 +29,19 @@ class StopRules:
         general = [c for c in criteria if not isinstance(c, (EosTokenCriteria, MaxLengthCriteria))]
         self.general = StoppingCriteriaList(general)
         self.stopped = torch.zeros(batch_size, dtype=torch.bool)  # [B]
-        self.max_stop_length = 0  # longest stop length of any row so far (final width without EOS)
+        # Longest stop length of any row so far (the final width without EOS); a device tensor: no host sync.
+        self.max_stop_length = torch.zeros((), dtype=torch.long)
         if self.has_eos and pad_token_id is None:
             raise ValueError("An EOS stopping criterion needs a pad_token_id for finished rows; set pad_token_id.")
 
     def select_rows(self, keep: torch.Tensor) -> None:
         self.stopped = self.stopped[keep.to(self.stopped.device)]
 
-    def apply(self, batch: RaggedBatch, num_emitted: torch.Tensor) -> torch.Tensor:  # [B] tokens to keep
-        """Find each row's first stop among its `num_emitted` new tokens (already in the buffer)."""
+    def apply(self, batch: RaggedBatch, num_emitted: torch.Tensor, width: int) -> torch.Tensor:  # [B] to keep
+        """Find each row's first stop among its `num_emitted` (<= width) new tokens (already in the buffer)."""
         device = batch.device
         self.stopped = self.stopped.to(device)
-        width = int(num_emitted.max().item()) if batch.batch_size else 0
+        self.max_stop_length = self.max_stop_length.to(device)
         offsets = torch.arange(width, device=device)  # [w]
         fresh = (offsets < num_emitted[:, None]) & ~self.stopped[:, None]  # [B, w] new tokens still checked
         index = (batch.lengths[:, None] + offsets).clamp(max=batch.capacity - 1)  # [B, w]
@@ -55,9 +56,9 @@ class StopRules:
             hit |= self._general_hits(batch, fresh & ~_after_first(hit), index)
         any_hit = hit.any(1)
         first = hit.float().argmax(1)  # [B] offset of the first hit
-        stop_lengths = batch.lengths + first + 1
-        if any_hit.any():
-            self.max_stop_length = max(self.max_stop_length, int(stop_lengths[any_hit].max().item()))
+        stop_lengths = torch.where(any_hit, batch.lengths + first + 1, 0)  # [B]
+        if batch.batch_size:
+            self.max_stop_length = torch.maximum(self.max_stop_length, stop_lengths.max())
         self.stopped = self.stopped | any_hit
         if self.has_eos:
             return torch.where(any_hit, first + 1, num_emitted)
@@ -78,17 +79,16 @@ class StopRules:
         stopped = self.stopped.to(batch.device)
         if self.has_eos:
             return stopped
-        if not bool(stopped.all()):
-            return torch.zeros_like(stopped)
-        return batch.lengths >= self.max_stop_length
+        # Without EOS, stopped rows keep generating until every row has stopped (as in generate).
+        return stopped.all() & (batch.lengths >= self.max_stop_length.to(batch.device))
 
-    def final_length(self, final_lengths: torch.Tensor, batch: RaggedBatch) -> int:
+    def final_length(self, final_lengths: torch.Tensor, batch: RaggedBatch, live: bool) -> int:
         """Width of the output rows (prompt included), or max_length while it is not known yet."""
-        if batch.batch_size and (self.has_eos or not bool(self.stopped.all())):
+        if live and (self.has_eos or not bool(self.stopped.all())):
             return self.max_length
         if self.has_eos:
             return int(final_lengths.max().item())
-        return self.max_stop_length
+        return int(self.max_stop_length)
 
     def pad_finished(
         self, block: torch.Tensor, final_lengths: torch.Tensor, start: int, live: dict[int, int]

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from hf_specdec.batch import RaggedBatch
+    from hf_specdec.decoding import StaticPlan
     from hf_specdec.sampling.processors import StepSampling
 
 
@@ -59,6 +60,14 @@ class Proposer(ABC):
     #: True when proposing costs next to nothing next to a verify (the n-gram search): the adaptive schedule then
     #: lets every row propose k drafts and decides from the drafts (and their `draft_keys`) how many to verify.
     proposes_cheaply: bool = False
+
+    #: The call's static-cache plan (`use_static`), or None on dynamic caches.
+    static: StaticPlan | None = None
+
+    def use_static(self, plan: StaticPlan) -> None:
+        """Called before `prefill` when the call runs on static caches: proposals then have a fixed width k
+        (rows with fewer drafts padded with -1), and a proposer with a model keeps it on a `StaticCacheView`."""
+        self.static = plan
 
     def attach(self, target: PreTrainedModel) -> None:  # noqa: B027
         """Called once before the target's prefill: proposers that read the target's activations hook in here."""

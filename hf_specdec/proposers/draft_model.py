@@ -21,6 +21,7 @@ from hf_specdec.cache import CacheView
 from hf_specdec.proposers.base import Proposal, Proposer
 from hf_specdec.sampling import random as row_random
 from hf_specdec.sampling.processors import StepSampling
+from hf_specdec.static_cache import StaticCacheView
 
 if TYPE_CHECKING:
     from hf_specdec.schedules import ConfidenceThreshold
@@ -72,7 +73,10 @@ class DraftModelProposer(Proposer):
         return True
 
     def prefill(self, batch: RaggedBatch, sampling: StepSampling) -> None:
-        self.view = CacheView(self.draft_model, batch.batch_size, batch.pad_lengths)
+        if self.static is not None:
+            self.view = StaticCacheView(self.draft_model, batch.batch_size, batch.pad_lengths, self.static)
+        else:
+            self.view = CacheView(self.draft_model, batch.batch_size, batch.pad_lengths)
         num_new = batch.lengths - 1  # [B]
         if self.max_positions is not None:
             # A row that is already at the draft's position limit can never draft: the draft never sees it.
@@ -82,7 +86,11 @@ class DraftModelProposer(Proposer):
 
     def propose(self, batch: RaggedBatch, max_draft_tokens: torch.Tensor, sampling: StepSampling) -> Proposal:
         assert self.view is not None, "prefill() must run before propose()"
-        k = int(max_draft_tokens.max().item()) if batch.batch_size else 0
+        static = self.static is not None
+        if static:  # fixed shapes: k forwards, the first 2 slots wide (catch-up), the others 1 (no host sync)
+            k = self.num_speculative_tokens
+        else:
+            k = int(max_draft_tokens.max().item()) if batch.batch_size else 0
         if k == 0:
             return Proposal.empty(batch.batch_size, batch.device)
         rows = torch.arange(batch.batch_size, device=batch.device)
@@ -94,10 +102,19 @@ class DraftModelProposer(Proposer):
         threshold = self.confidence_threshold
         for j in range(k):
             drafting = (max_draft_tokens > j) & confident  # [B]
-            if threshold is not None and j > 0 and not bool(drafting.any()):
+            if threshold is not None and j > 0 and not static and not bool(drafting.any()):
                 break  # every row stopped on a low-confidence draft: skip the remaining draft forwards
-            num_new = torch.where(drafting, lengths - self.view.cached_lengths, 0)  # [B]
-            logits = self.view.forward(batch.token_ids, num_new)  # [B, w, V]
+            if static and j == 0:
+                # Every row the draft can still serve catches up, drafting or not, so that it is never more than
+                # 2 tokens behind (the last draft and the bonus, after a full accept): a fixed width of 2.
+                num_new = torch.where(self._servable(batch), lengths - self.view.cached_lengths, 0)  # [B]
+                logits = self.view.forward(batch.token_ids, num_new, width=2)  # [B, 2, V]
+            elif static:
+                num_new = drafting.long()  # [B]
+                logits = self.view.forward(batch.token_ids, num_new, width=1)  # [B, 1, V]
+            else:
+                num_new = torch.where(drafting, lengths - self.view.cached_lengths, 0)  # [B]
+                logits = self.view.forward(batch.token_ids, num_new)  # [B, w, V]
             last = logits[rows, (num_new - 1).clamp(min=0)]  # [B, V]
             scores = sampling.process(batch.token_ids, lengths[:, None], drafting[:, None], last[:, None])[:, 0]
             if sampling.do_sample:
@@ -120,13 +137,19 @@ class DraftModelProposer(Proposer):
             lengths = lengths + drafting.long()
         probs = torch.stack(draft_probs, dim=1) if draft_probs else None  # [B, k', V]
         num_draft = (draft_ids >= 0).sum(1)  # [B]
-        width = int(num_draft.max().item()) if threshold is not None else k
+        width = int(num_draft.max().item()) if threshold is not None and not static else k
         self._drafted_probs = torch.stack(token_probs, dim=1)[:, :width] if token_probs else None  # [B, k']
         return Proposal(
             draft_token_ids=draft_ids[:, :width],
             num_draft_tokens=num_draft,
             draft_probs=probs[:, :width] if probs is not None else None,
         )
+
+    def _servable(self, batch: RaggedBatch) -> torch.Tensor:  # [B] bool
+        """Rows whose tokens all sit at positions the draft was built for (the others never draft again)."""
+        if self.max_positions is None:
+            return torch.ones_like(batch.lengths, dtype=torch.bool)
+        return batch.lengths - batch.pad_lengths <= self.max_positions
 
     def commit(self, batch: RaggedBatch, num_accepted: torch.Tensor) -> None:
         assert self.view is not None

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
 from hf_specdec.batch import RaggedBatch
 from hf_specdec.proposers.base import Proposal, Proposer
@@ -21,6 +22,7 @@ from hf_specdec.proposers.base import Proposal, Proposer
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+    from hf_specdec.decoding import StaticPlan
     from hf_specdec.sampling.processors import StepSampling
     from hf_specdec.schedules import SpeculationSchedule
 
@@ -74,6 +76,10 @@ class Top1Proposer(Proposer):
     def max_positions(self) -> int | None:  # type: ignore[override]
         return self.inner.max_positions
 
+    def use_static(self, plan: StaticPlan) -> None:
+        self.static = plan
+        self.inner.use_static(plan)
+
     def attach(self, target: PreTrainedModel) -> None:
         self.inner.attach(target)
 
@@ -102,6 +108,11 @@ class Top1Proposer(Proposer):
 
     def propose(self, batch: RaggedBatch, max_draft_tokens: torch.Tensor, sampling: StepSampling) -> Proposal:
         budget = self.budgets(batch, max_draft_tokens)  # [B]
+        if self.static is not None and self.schedule is None:
+            # Fixed shapes, no host sync: every row goes to the inner proposer (budget 0 drafts nothing), width k.
+            proposal = _clip(self.inner.propose(batch, budget, sampling), budget, width=self.static.k)
+            self.last_num_draft_tokens = proposal.num_draft_tokens
+            return proposal
         speculating = budget > 0  # [B]
         num_speculating = int(speculating.sum().item()) if batch.batch_size else 0
         if num_speculating == 0:
@@ -116,6 +127,8 @@ class Top1Proposer(Proposer):
         if self.schedule is not None:  # a schedule may keep fewer of the drafts it has seen (e.g. by their keys)
             budget = torch.minimum(budget, self.schedule.trim(proposal))
         proposal = _clip(proposal, budget)
+        if self.static is not None and proposal.draft_token_ids.shape[1]:  # a static verify: width 1 or 1 + k
+            proposal = _clip(proposal, budget, width=self.static.k)
         self.last_num_draft_tokens = proposal.num_draft_tokens
         return proposal
 
@@ -164,13 +177,16 @@ def _sub_batch(batch: RaggedBatch, rows: torch.Tensor) -> RaggedBatch:
     )
 
 
-def _clip(proposal: Proposal, budget: torch.Tensor) -> Proposal:
-    """Enforce each row's budget ([B]): ids past it become -1, probabilities 0; trim to the longest row."""
+def _clip(proposal: Proposal, budget: torch.Tensor, width: int | None = None) -> Proposal:
+    """Enforce each row's budget ([B]): ids past it become -1, probabilities 0; trim to the longest row, or pad
+    or trim to a fixed `width` (static caches: no host sync)."""
     num = torch.minimum(proposal.num_draft_tokens, budget)  # [B]
-    width = int(num.max().item()) if num.numel() else 0
+    if width is None:
+        width = int(num.max().item()) if num.numel() else 0
+    missing = max(0, width - proposal.draft_token_ids.shape[1])
     drafted = torch.arange(width, device=num.device) < num[:, None]  # [B, k]
-    ids = torch.where(drafted, proposal.draft_token_ids[:, :width], -1)  # [B, k]
+    ids = torch.where(drafted, F.pad(proposal.draft_token_ids, (0, missing), value=-1)[:, :width], -1)  # [B, k]
     probs = proposal.draft_probs
     if probs is not None:
-        probs = probs[:, :width] * drafted[:, :, None]  # [B, k, V]
+        probs = F.pad(probs, (0, 0, 0, missing))[:, :width] * drafted[:, :, None]  # [B, k, V]
     return Proposal(draft_token_ids=ids, num_draft_tokens=num, draft_probs=probs, draft_keys=proposal.draft_keys)

@@ -1,0 +1,31 @@
+"""The transformers internals hf_specdec relies on, gathered in one place.
+
+Each helper names the private API it wraps, so that a transformers upgrade that moves one breaks here, in one
+module, not across the package. Covered: transformers 5.17 (the GPU image) to 5.23.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from transformers import GenerationConfig, PreTrainedModel, StaticCache
+
+
+def compiled_call(model: PreTrainedModel, generation_config: GenerationConfig) -> Callable | None:
+    """`model`'s compiled `__call__` exactly when plain `generate` would compile its decoding steps, else None.
+
+    Honours transformers' own knobs with their meaning: `generation_config.disable_compile`, `compile_config`
+    (`GenerationMixin._valid_auto_compile_criteria`: a compileable cache on CUDA-like hardware, no CPU/disk offload,
+    a compileable quantizer) and `PreTrainedModel.get_compiled_call` (one `torch.compile` per model and config).
+    """
+    probe = {"past_key_values": StaticCache(config=model.config, max_cache_len=1)}
+    if not model._valid_auto_compile_criteria(probe, generation_config):
+        return None
+    return model.get_compiled_call(generation_config.compile_config)
+
+
+def num_compiled_graphs() -> int:
+    """Graphs torch.compile has compiled in this process so far (`torch._dynamo.utils.counters`)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])

@@ -1,0 +1,149 @@
+"""A model's preallocated HF `StaticCache` over a ragged batch: fixed shapes for CUDA graphs.
+
+`StaticCacheView` keeps `CacheView`'s column map (which buffer index each cache column holds, -1 for a hole) but
+on transformers' own `StaticCache`, allocated once per call: every forward writes `width` columns for all rows at
+one shared write offset, a device tensor (no host sync), with a mask over the whole static length. Rollback turns
+rejected columns into holes and moves the offset back to the end of the longest row; nothing is reallocated. When
+the host's bound on the offset says the next write may not fit, the offset is read once and, if needed, each
+row's real columns are gathered to the left in place (compaction). Sliding-window layers get full-length static
+layers: the window is applied by the mask, in tokens (HF's static sliding layer is a ring buffer in columns,
+which a column map with holes cannot use).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+from transformers import PreTrainedModel, StaticCache
+from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
+
+from hf_specdec import compat
+from hf_specdec.cache import CacheView
+
+if TYPE_CHECKING:
+    from hf_specdec.decoding import StaticPlan
+
+
+def build_static_cache(model: PreTrainedModel, max_cache_len: int) -> StaticCache:
+    """transformers' `StaticCache` for `model` with full-length layers only (sliding windows come from the mask)."""
+    cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
+    cache.layers = [
+        StaticLayer(max_cache_len=max_cache_len) if isinstance(layer, StaticSlidingWindowLayer) else layer
+        for layer in cache.layers
+    ]
+    return cache
+
+
+class StaticCacheView(CacheView):
+    """One model's `StaticCache` plus the column map; every forward writes `width` columns at a shared offset."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        batch_size: int,
+        pad_lengths: torch.Tensor,  # [B]
+        plan: StaticPlan,
+    ) -> None:
+        super().__init__(model, batch_size, pad_lengths)
+        device = pad_lengths.device
+        max_columns = plan.max_columns
+        self.plan = plan
+        plan.views.append(self)
+        self.cache = build_static_cache(model, max_columns)
+        self.max_columns = max_columns
+        self.aligned = False  # always an explicit mask over the whole static length: one shape per width
+        self.column_index = torch.full((batch_size, max_columns), -1, dtype=torch.long, device=device)  # [B, L]
+        self.columns = torch.arange(max_columns, device=device)  # [L]
+        self.offset = torch.zeros((), dtype=torch.long, device=device)  # next column to write, all rows
+        self.offset_bound = 0  # host-side upper bound of `offset`: read it only when a write might not fit
+        self.prefilled = False
+        self.compiled_call = plan.compiled_call(model)  # every forward after the first (the prefill runs eagerly)
+
+    @property
+    def width(self) -> int:
+        """0 before the first forward (the prefill), else the columns written so far at most."""
+        return self.offset_bound if self.prefilled else 0
+
+    def forward(
+        self,
+        token_ids: torch.Tensor,  # [B, C] the batch's token buffer
+        num_new: torch.Tensor,  # [B] tokens to feed per row, from cached_lengths[i] on
+        logits_to_keep: int | None = None,
+        width: int | None = None,  # fixed slot count (a CUDA graph per width); None: max(num_new) (host sync)
+    ) -> torch.Tensor:  # [B, width, V] float32 logits of the fed slots
+        if width is None:
+            width = int(num_new.max().item())
+        if self.offset_bound + width > self.max_columns:
+            self._make_room(width)
+        device = token_ids.device
+        offsets = torch.arange(width, device=device)  # [w]
+        index = self.cached_lengths[:, None] + offsets  # [B, w] buffer index of each slot
+        valid = offsets < num_new[:, None]  # [B, w]
+        input_ids = torch.where(valid, token_ids.gather(1, index.clamp(max=token_ids.shape[1] - 1)), 0)  # [B, w]
+        real = valid & (index >= self.pad_lengths[:, None])
+        position_ids = torch.where(valid, (index - self.pad_lengths[:, None]).clamp(min=0), 0)  # [B, w]
+        write = self.offset + offsets  # [w] the columns this forward writes
+        self.column_index.index_copy_(1, write, torch.where(real, index, -1))
+        mask = self._attention_mask(torch.where(valid, index, -1), self.column_index, write)
+        for layer in self.cache.layers:  # the write offset of every layer (a device copy: no host sync)
+            if getattr(layer, "is_initialized", False):
+                layer.cumulative_length.copy_(self.offset)
+        call = self.model if not self.prefilled or self.compiled_call is None else self.compiled_call
+        compiled_before = 0
+        if call is not self.model:
+            torch.compiler.cudagraph_mark_step_begin()
+            compiled_before, start = compat.num_compiled_graphs(), time.perf_counter()
+        outputs = call(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=position_ids,
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=logits_to_keep if logits_to_keep is not None else 0,
+        )
+        if call is not self.model and compat.num_compiled_graphs() != compiled_before:  # this call compiled
+            torch.cuda.synchronize(token_ids.device)
+            self.plan.compile_time_s += time.perf_counter() - start
+        logits = outputs.logits
+        # A graph's outputs are overwritten by its next replay: keep a copy.
+        logits = logits.float() if logits.dtype != torch.float32 else logits.clone()
+        self.offset = self.offset + width
+        self.offset_bound += width
+        self.prefilled = True
+        self.cached_lengths = self.cached_lengths + num_new
+        return logits
+
+    def rollback(self, cached_lengths: torch.Tensor) -> None:
+        """Keep only buffer indices < cached_lengths[i] ([B]); the offset moves back to the longest row's end."""
+        self.cached_lengths = torch.minimum(self.cached_lengths, cached_lengths)
+        keep = (self.column_index >= 0) & (self.column_index < self.cached_lengths[:, None])  # [B, L]
+        self.column_index.masked_fill_(~keep, -1)
+        self.offset = ((self.columns + 1) * keep.any(0)).max()  # last used column + 1, or 0
+
+    def _make_room(self, width: int) -> None:
+        """Read the true offset (one host sync); compact in place when `width` more columns would not fit."""
+        self.offset_bound = int(self.offset.item())
+        if self.offset_bound + width <= self.max_columns:
+            return
+        keep = self.column_index >= 0  # [B, L]
+        order = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices  # [B, L] real columns first
+        self.column_index.copy_(self.column_index.gather(1, order))
+        for layer in self.cache.layers:
+            if not getattr(layer, "is_initialized", False):
+                continue
+            for states in (layer.keys, layer.values):
+                index = order[:, None, :, None].expand(-1, states.shape[1], -1, states.shape[3])
+                states.copy_(states.gather(2, index.to(states.device)))
+        self.offset_bound = int(keep.sum(1).max().item())
+        self.offset = torch.full_like(self.offset, self.offset_bound)
+        self.plan.num_compactions += 1
+        if self.offset_bound + width > self.max_columns:
+            raise RuntimeError(
+                f"hf_specdec's static cache of {self.max_columns} columns cannot take {width} more after compaction "
+                f"({self.offset_bound} in use): this is a bug, please report it with the generate arguments."
+            )
+
+    def select_rows(self, keep: torch.Tensor) -> None:
+        raise NotImplementedError("rows never leave a static batch: they stay, masked, until the call ends")

@@ -1,0 +1,140 @@
+"""The static-cache path (`cache_implementation="static"`) equals plain `generate`, and keeps its shapes fixed.
+
+On the CPU it runs without graphs (transformers compiles only on CUDA-like devices), with the same static caches,
+fixed verify widths, frozen finished rows and in-place compaction that the compiled GPU path uses.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ARCHS, make_model, make_noisy_copy, make_prompts, spec_generate
+
+import hf_specdec
+from hf_specdec.static_cache import StaticCacheView
+
+MAX_NEW = 16
+STATIC = dict(cache_implementation="static", do_sample=False)
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def arch_models(request):
+    arch = request.param
+    target = make_model(arch, seed=0)
+    small = make_model(arch, seed=1, layers=1, hidden=32)
+    return arch, target, small
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 8])
+def test_static_greedy_matches_plain_generate(arch_models, batch_size):
+    arch, target, small = arch_models
+    inputs = make_prompts(batch_size, seed=batch_size)
+    expected = target.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False)
+    for k in (1, 4, 8):
+        for spec in (
+            hf_specdec.SpecDecoder(method="ngram", num_speculative_tokens=k, prompt_lookup_max=3),
+            hf_specdec.SpecDecoder(draft_model=small, num_speculative_tokens=k),
+        ):
+            out = spec_generate(target, inputs, spec, max_new_tokens=MAX_NEW, **STATIC)
+            assert torch.equal(out, expected), f"{arch} B={batch_size} k={k} {spec.method}: {out} != {expected}"
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gpt2"])
+def test_static_ragged_acceptance_and_early_finishers(arch):
+    """Rows accept different numbers of tokens and finish (EOS) at different steps; they stay in the batch, frozen."""
+    target = make_model(arch, seed=0)
+    draft = make_noisy_copy(target, noise=0.01)
+    inputs = make_prompts(8, seed=5, min_len=2, max_len=20)
+    for eos in (None, 7, 11):  # frequent EOS ids make rows stop early at different steps
+        expected = target.generate(**inputs, max_new_tokens=40, do_sample=False, eos_token_id=eos)
+        spec = hf_specdec.SpecDecoder(draft_model=draft, num_speculative_tokens=6)
+        out = spec_generate(target, inputs, spec, max_new_tokens=40, eos_token_id=eos, **STATIC)
+        assert torch.equal(out, expected), f"{arch} eos={eos}"
+
+
+def test_static_long_generation_compacts_in_place_and_stays_exact(monkeypatch):
+    """Lagging rows leave holes; past the static length's slack the cache compacts in place (sliding window too)."""
+    from hf_specdec import generation
+
+    monkeypatch.setattr(generation, "STATIC_HOLE_ROOM", 8)  # little room for holes: compact often
+    target = make_model("mistral", seed=0)
+    draft = make_noisy_copy(target, noise=0.02)
+    inputs = make_prompts(4, seed=3, min_len=2, max_len=30)
+    expected = target.generate(**inputs, max_new_tokens=120, do_sample=False, eos_token_id=None)
+    spec = hf_specdec.SpecDecoder(draft_model=draft, num_speculative_tokens=4)
+    out = spec_generate(target, inputs, spec, max_new_tokens=120, eos_token_id=None, **STATIC)
+    assert torch.equal(out, expected)
+    assert spec.last_stats.num_compactions > 0
+
+
+def test_static_mtp_matches_plain_generate():
+    from proposers.test_mtp import make_mtp_target
+
+    target, mtp = make_mtp_target("deepseek_v3")
+    inputs = make_prompts(3, seed=2)
+    expected = target.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False)
+    spec = hf_specdec.SpecDecoder(method="mtp", mtp_model=mtp, num_speculative_tokens=3)
+    out = spec_generate(target, inputs, spec, max_new_tokens=MAX_NEW, **STATIC)
+    assert torch.equal(out, expected)
+
+
+def test_static_shapes_are_fixed_after_the_prefill(llama, llama_draft, monkeypatch):
+    """Every target forward after the prefill has width 1 + k, every draft forward width 2 or 1: one graph each."""
+    widths: dict[str, set[int]] = {"target": set(), "draft": set()}
+    original = StaticCacheView.forward
+
+    def recording(self, token_ids, num_new, logits_to_keep=None, width=None):
+        if self.prefilled:
+            widths["target" if self.model is llama else "draft"].add(width)
+        return original(self, token_ids, num_new, logits_to_keep, width)
+
+    monkeypatch.setattr(StaticCacheView, "forward", recording)
+    inputs = make_prompts(5, seed=4)
+    spec = hf_specdec.SpecDecoder(draft_model=llama_draft, num_speculative_tokens=4)
+    spec_generate(llama, inputs, spec, max_new_tokens=24, eos_token_id=None, **STATIC)
+    assert widths == {"target": {5}, "draft": {2, 1}}
+
+
+def test_static_path_syncs_the_host_once_per_step(llama, llama_draft, monkeypatch):
+    """After step 0, a greedy draft-model step reads the device from the host once (which rows are done).
+
+    Every host read of a tensor is counted (`item`, `tolist`, `bool`, `int`, `cpu`, `numpy`), except inside the
+    CPU reference sampler, which only runs where there is no GPU (on CUDA the Triton kernels run, and read nothing).
+    """
+    import sys
+
+    from hf_specdec.decoding import SpeculativeLoop
+
+    reads: list[str] = []
+    for name in ("item", "tolist", "__bool__", "__int__", "cpu", "numpy"):
+        original = getattr(torch.Tensor, name)
+
+        def counting(self, *args, _original=original, _name=name, **kwargs):
+            frame = sys._getframe(1)
+            if not frame.f_code.co_filename.endswith("sampling/reference.py"):
+                reads.append(f"{_name} at {frame.f_code.co_filename}:{frame.f_lineno}")
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counting)
+    per_step: list[list[str]] = []
+    original_step = SpeculativeLoop.step
+
+    def step(self):
+        before = len(reads)
+        original_step(self)
+        per_step.append(reads[before:])
+
+    monkeypatch.setattr(SpeculativeLoop, "step", step)
+    inputs = make_prompts(4, seed=6)
+    spec = hf_specdec.SpecDecoder(draft_model=llama_draft, num_speculative_tokens=4)
+    spec_generate(llama, inputs, spec, max_new_tokens=20, eos_token_id=None, **STATIC)
+    monkeypatch.undo()
+    assert len(per_step) > 3
+    assert [reads for reads in per_step[1:] if len(reads) != 1] == []
+
+
+def test_unsupported_cache_implementation_is_refused(llama):
+    inputs = make_prompts(1)
+    spec = hf_specdec.SpecDecoder(method="ngram")
+    with pytest.raises(NotImplementedError, match="cache_implementation='offloaded'"):
+        spec_generate(llama, inputs, spec, max_new_tokens=4, cache_implementation="offloaded")
