@@ -273,6 +273,7 @@ class SpeculativeLoop:
                 self.final_lengths[row] = length
             keep = (~done).nonzero().squeeze(1)
             batch.select_rows(keep)
+            self.frozen = self.frozen[keep]
             self.target.select_rows(keep)
             self.proposer.select_rows(keep)
             self.sampling.select_rows(keep)

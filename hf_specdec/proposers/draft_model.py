@@ -66,6 +66,10 @@ class DraftModelProposer(Proposer):
         self.confidence_threshold = confidence_threshold
         self.max_positions = draft_position_limit(draft_model)
         self.view: CacheView | None = None
+        # Static caches: most tokens any row may be ahead of the draft's cache (host-side, no sync). It is 2 after a
+        # step that drafted (the last draft and the bonus), and grows by 1 per step without drafts (one token each).
+        self.behind = 1
+        self.proposed = False
         self._drafted_probs: torch.Tensor | None = None  # [B, k] draft probability of each drafted token
 
     @property
@@ -93,6 +97,7 @@ class DraftModelProposer(Proposer):
             k = int(max_draft_tokens.max().item()) if batch.batch_size else 0
         if k == 0:
             return Proposal.empty(batch.batch_size, batch.device)
+        self.proposed = True
         rows = torch.arange(batch.batch_size, device=batch.device)
         draft_ids = torch.full((batch.batch_size, k), -1, dtype=torch.long, device=batch.device)  # [B, k]
         draft_probs: list[torch.Tensor] = []
@@ -105,9 +110,13 @@ class DraftModelProposer(Proposer):
             if threshold is not None and j > 0 and not static and not bool(drafting.any()):
                 break  # every row stopped on a low-confidence draft: skip the remaining draft forwards
             if static and j == 0:
-                # Every row the draft can still serve catches up, drafting or not, so that it is never more than
-                # 2 tokens behind (the last draft and the bonus, after a full accept): a fixed width of 2.
-                num_new = torch.where(self._servable(batch), lengths - self.view.cached_lengths, 0)  # [B]
+                # Every row the draft can still serve catches up, drafting or not, 2 slots at a time (one graph):
+                # steps that drafted leave it at most 2 behind, steps without drafts 1 more each.
+                servable = self._servable(batch)
+                for _ in range((self.behind - 1) // 2):
+                    num_new = torch.where(servable, lengths - self.view.cached_lengths, 0).clamp(max=2)  # [B]
+                    self.view.forward(batch.token_ids, num_new, width=2)
+                num_new = torch.where(servable, lengths - self.view.cached_lengths, 0)  # [B] at most 2
                 logits = self.view.forward(batch.token_ids, num_new, width=2)  # [B, 2, V]
             elif static:
                 num_new = drafting.long()  # [B]
@@ -158,6 +167,8 @@ class DraftModelProposer(Proposer):
             self._drafted_probs = None
         # The newest token of each row (recovered or bonus) was never seen by the draft.
         self.view.rollback(batch.lengths - 1)
+        self.behind = 2 if self.proposed else self.behind + 1
+        self.proposed = False
 
     def select_rows(self, keep: torch.Tensor) -> None:
         if self.view is not None:

@@ -123,20 +123,21 @@ def test_first_tokens_follow_the_target_law(target, draft, name):
         spec = hf_specdec.SpecDecoder(
             method="ngram", num_speculative_tokens=config["k"], prompt_lookup_max=3, seed=1234
         )
-    counts = speculative_samples(target, prompt, spec, **sampling)
-    stats = spec.last_stats
-    # Step 0 verified k drafts on every row; the first was often accepted, often not.
-    assert stats.drafted_per_position[config["k"] - 1] >= NUM_SAMPLES, stats
-    assert 0.1 < stats.acceptance_rate < 0.9, stats
-    assert 0.05 < stats.per_position_acceptance[0] < 0.95, stats
-
     law = exact_joint_law(target, prompt, **sampling)
-    p_value, tv, impossible = goodness_of_fit(counts, law)
     # Power: the same statistic rejects the law of a slightly different temperature.
     wrong = exact_joint_law(target, prompt, **{**sampling, "temperature": sampling["temperature"] * 1.15})
-    wrong_p, wrong_tv, _ = goodness_of_fit(counts, wrong)
-    print(f"{name}: chi-square p={p_value:.3g} TV={tv:.4f}; temperature x1.15: p={wrong_p:.3g} TV={wrong_tv:.4f}")
-    assert impossible == 0, f"{name}: {impossible} draws of pairs the target gives probability 0"
-    assert p_value > P_VALUE_FLOOR, f"{name}: chi-square p={p_value:.3g}, TV={tv:.4f}"
-    assert tv < 0.05, f"{name}: TV distance {tv:.4f} to the exact law"  # sampling noise alone: up to ~0.04
-    assert wrong_p < 1e-6, f"{name}: the test cannot tell temperature x1.15 apart (p={wrong_p:.3g}, TV={wrong_tv:.4f})"
+    for cache in ("dynamic", "static"):  # the default path, and the static-cache (CUDA-graph) path
+        counts = speculative_samples(target, prompt, spec, cache_implementation=cache, **sampling)
+        stats = spec.last_stats
+        # Step 0 verified k drafts on every row; the first was often accepted, often not.
+        assert stats.drafted_per_position[config["k"] - 1] >= NUM_SAMPLES, stats
+        assert 0.1 < stats.acceptance_rate < 0.9, stats
+        assert 0.05 < stats.per_position_acceptance[0] < 0.95, stats
+        p_value, tv, impossible = goodness_of_fit(counts, law)
+        wrong_p, wrong_tv, _ = goodness_of_fit(counts, wrong)
+        label = f"{name} ({cache} cache)"
+        print(f"{label}: chi-square p={p_value:.3g} TV={tv:.4f}; temperature x1.15: p={wrong_p:.3g} TV={wrong_tv:.4f}")
+        assert impossible == 0, f"{label}: {impossible} draws of pairs the target gives probability 0"
+        assert p_value > P_VALUE_FLOOR, f"{label}: chi-square p={p_value:.3g}, TV={tv:.4f}"
+        assert tv < 0.05, f"{label}: TV distance {tv:.4f} to the exact law"  # sampling noise alone: up to ~0.04
+        assert wrong_p < 1e-6, f"{label}: cannot tell temperature x1.15 apart (p={wrong_p:.3g}, TV={wrong_tv:.4f})"

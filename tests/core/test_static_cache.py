@@ -138,3 +138,54 @@ def test_unsupported_cache_implementation_is_refused(llama):
     spec = hf_specdec.SpecDecoder(method="ngram")
     with pytest.raises(NotImplementedError, match="cache_implementation='offloaded'"):
         spec_generate(llama, inputs, spec, max_new_tokens=4, cache_implementation="offloaded")
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_static_seeded_sampling_equals_the_dynamic_path(llama, method):
+    """Draws are counter-based per (row seed, step, stream): with a constant k the static path, whose verifies are
+    padded to k + 1 and whose finished rows stay frozen, draws exactly what the dynamic path draws."""
+    draft = make_noisy_copy(llama, noise=0.01)
+    inputs = make_prompts(6, seed=8)
+    outs = []
+    for cache in ("dynamic", "static"):
+        if method == "draft":
+            spec = hf_specdec.SpecDecoder(draft_model=draft, num_speculative_tokens=3, seed=42)
+        else:
+            spec = hf_specdec.SpecDecoder(method="ngram", num_speculative_tokens=3, prompt_lookup_max=2, seed=42)
+        outs.append(
+            spec_generate(
+                llama, inputs, spec, max_new_tokens=24, do_sample=True, top_k=None, cache_implementation=cache
+            )
+        )
+    assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_compiled_path_on_cuda_is_exact_and_compiles_once(method):
+    """fp32 on a GPU: the compiled static path equals eager hf_specdec and plain static `generate` (itself compiled
+    by transformers); a second call with the same shapes compiles nothing."""
+    from hf_specdec import compat
+
+    torch._dynamo.config.cache_size_limit = 64
+    target = make_model("llama", seed=0).cuda()
+    draft = make_model("llama", seed=1, layers=1, hidden=32).cuda()
+    inputs = {name: t.cuda() for name, t in make_prompts(3, seed=1).items()}
+    gen = dict(max_new_tokens=24, do_sample=False, eos_token_id=None)
+    expected = target.generate(**inputs, **gen, cache_implementation="static")
+    assert torch.equal(expected, target.generate(**inputs, **gen))
+
+    def make_spec():
+        if method == "draft":
+            return hf_specdec.SpecDecoder(draft_model=draft, num_speculative_tokens=4)
+        return hf_specdec.SpecDecoder(method="ngram", num_speculative_tokens=4)
+
+    eager = spec_generate(target, inputs, make_spec(), **gen)
+    spec = make_spec()
+    compiled = spec_generate(target, inputs, spec, **gen, cache_implementation="static")
+    assert spec.last_stats.compile_time_s > 0  # it really compiled
+    assert torch.equal(eager, expected) and torch.equal(compiled, expected)
+    graphs = compat.num_compiled_graphs()
+    again = spec_generate(target, inputs, spec, **gen, cache_implementation="static")
+    assert torch.equal(again, expected)
+    assert compat.num_compiled_graphs() == graphs and spec.last_stats.compile_time_s == 0.0

@@ -1,0 +1,201 @@
+"""Benchmark on one GPU: hf_specdec's compiled static-cache path against transformers' compiled plain decoding.
+
+The models and the synthetic-alpha draft are those of `bench_gpu_e2e.py` (an 8B-shaped bf16 Llama target, a
+124M-shaped draft whose proposals are right with probability alpha). Baseline: plain
+`generate(cache_implementation="static")`, which transformers compiles (CUDA graphs). Each setting times, in turn
+and in the same process (3 turns, medians, after a warm-up that also compiles): plain eager, plain compiled,
+hf_specdec eager (dynamic cache), hf_specdec compiled (static cache) and, at batch 1, HF stock assisted decoding.
+Also: compiled step costs and S* = E t_target / (k t_draft + t_verify) from them, compile seconds and time to first
+token (from `last_stats`), peak GPU memory, and the Triton rejection sampler captured in a CUDA graph against its
+HBM floor.
+
+Run (GPU): `PYTHONPATH=. python benchmarks/bench_gpu_compiled.py --part batch1 --out b1.json`
+(`--part batched` for B = 32 and 64; `--tiny` for a CPU dry run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+
+import torch
+import transformers
+
+import hf_specdec
+from benchmarks import bench_gpu_e2e as e2e
+from hf_specdec.batch import RaggedBatch
+from hf_specdec.decoding import StaticPlan
+from hf_specdec.static_cache import StaticCacheView
+
+STATIC = dict(cache_implementation="static")
+
+
+def compiled_step_ms(model, inputs, width: int, generation_config) -> float:  # noqa: ANN001
+    """Milliseconds of one compiled forward of `width` slots per row on a static cache (the loop's own view)."""
+    from hf_specdec import compat
+
+    batch = RaggedBatch.from_prompts(inputs["input_ids"], inputs["attention_mask"], inputs["input_ids"].shape[1] + 64)
+    plan = StaticPlan(k=width - 1, max_columns=batch.capacity + 64, compiled_call=lambda m: compat.compiled_call(
+        m, generation_config))  # fmt: skip
+    view = StaticCacheView(model, batch.batch_size, batch.pad_lengths, plan)
+    with torch.no_grad():
+        view.forward(batch.token_ids, batch.lengths - 1)  # prefill, eager
+        num_new = torch.full_like(batch.lengths, width)
+
+        def step() -> None:
+            view.forward(batch.token_ids, num_new, width=width)
+            view.rollback(batch.lengths - 1)
+
+        return e2e.timed(step, repeats=20) * 1e3
+
+
+def run_setting(name: str, target, draft, inputs, k: int, alpha: float, n_new: int, stock: bool,  # noqa: ANN001
+                schedule: str = "constant") -> dict:  # fmt: skip
+    """Time every method of one setting side by side (interleaved turns, medians)."""
+    draft.alpha = alpha
+    batch = inputs["input_ids"].shape[0]
+    gen = dict(max_new_tokens=n_new, do_sample=False)
+    spec_eager = hf_specdec.SpecDecoder(draft_model=draft, num_speculative_tokens=k,
+                                        num_speculative_tokens_schedule=schedule)  # fmt: skip
+    spec_static = hf_specdec.SpecDecoder(draft_model=draft, num_speculative_tokens=k,
+                                         num_speculative_tokens_schedule=schedule)  # fmt: skip
+    fns = {
+        "plain_eager": lambda: target.generate(**inputs, **gen),
+        "plain_compiled": lambda: target.generate(**inputs, **gen, **STATIC),
+        "ours_eager": lambda: target.generate(**inputs, custom_generate=hf_specdec.generate, spec_decoder=spec_eager,
+                                              **gen),
+        "ours_compiled": lambda: target.generate(**inputs, custom_generate=hf_specdec.generate,
+                                                 spec_decoder=spec_static, **gen, **STATIC),
+    }  # fmt: skip
+    if stock:
+        stock_kwargs = dict(assistant_model=draft, num_assistant_tokens=k, assistant_confidence_threshold=0.0,
+                            num_assistant_tokens_schedule="constant", **gen)  # fmt: skip
+        fns["hf_stock"] = lambda: target.generate(**inputs, **stock_kwargs)
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        expected = fns["plain_compiled"]()  # compiles plain
+        plain_first_s = time.perf_counter() - t0
+        reference = fns["plain_eager"]()
+        ours = fns["ours_compiled"]()  # compiles ours
+        first_stats = spec_static.last_stats
+        ours_eager = fns["ours_eager"]()
+        torch.cuda.reset_peak_memory_stats() if e2e.DEVICE == "cuda" else None
+        times = e2e.timed_together(fns)
+    peak_gb = torch.cuda.max_memory_allocated() / 1e9 if e2e.DEVICE == "cuda" else 0.0
+    tps = {key: batch * n_new / t for key, t in times.items()}
+    row = dict(setting=name, batch=batch, alpha=alpha, k=k, schedule=schedule, tps=tps,
+               speedup_vs_compiled_plain=times["plain_compiled"] / times["ours_compiled"],
+               eager_speedup_vs_compiled_plain=times["plain_compiled"] / times["ours_eager"],
+               acceptance=spec_static.last_stats.acceptance_rate,
+               mean_accepted_length=spec_static.last_stats.mean_accepted_length,
+               first_call_compile_s=first_stats.compile_time_s, first_call_ttft_s=first_stats.time_to_first_token_s,
+               second_call_compile_s=spec_static.last_stats.compile_time_s,
+               plain_compiled_first_call_s=plain_first_s, peak_gpu_gb=peak_gb,
+               rows_identical_compiled_vs_plain_compiled=(ours == expected).all(1).float().mean().item(),
+               rows_identical_eager_vs_plain_eager=(ours_eager == reference).all(1).float().mean().item(),
+               plain_compiled_vs_plain_eager_rows_identical=(expected == reference).all(1).float().mean().item())  # fmt: skip
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def sampler_in_graph(batch: int = 64, k: int = 4, vocab: int = e2e.VOCAB) -> dict:
+    """The Triton rejection sampler (random accept with draft probs: the heaviest case), captured in a CUDA graph."""
+    from hf_specdec.sampling.kernels import rejection_sample_triton
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits = torch.randn(batch, k + 1, vocab, device="cuda", generator=g)
+    draft_ids = torch.randint(0, vocab, (batch, k), device="cuda", generator=g)
+    num = torch.full((batch,), k, device="cuda")
+    q = torch.softmax(torch.randn(batch, k, vocab, device="cuda", generator=g), -1)
+    greedy = torch.zeros(batch, dtype=torch.bool, device="cuda")
+    uniforms = torch.rand(batch, k, device="cuda", generator=g)
+    expo = torch.empty(batch, vocab, device="cuda").exponential_(generator=g)
+    args = (logits, draft_ids, num, q, greedy, uniforms, expo, None)
+    out = rejection_sample_triton(*args)  # compile the kernels
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        rejection_sample_triton(*args)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = rejection_sample_triton(*args)
+    eager_ms = e2e.timed(lambda: rejection_sample_triton(*args), repeats=50) * 1e3
+    graph_ms = e2e.timed(graph.replay, repeats=200) * 1e3
+    bytes_read = logits.numel() * 4 + q.numel() * 4 + expo.numel() * 4
+    floor_ms = bytes_read / 3.35e12 * 1e3  # H100 SXM HBM3
+    row = dict(batch=batch, k=k, vocab=vocab, eager_ms=eager_ms, graph_ms=graph_ms, hbm_floor_ms=floor_ms,
+               graph_over_floor=graph_ms / floor_ms, output_shape=list(out.shape))  # fmt: skip
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=["batch1", "adaptive", "batched"], default="batch1")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--batches", nargs="+", type=int, default=[32, 64])
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU: a dry run of the script")
+    args = parser.parse_args()
+    if args.tiny:
+        e2e.DEVICE = "cpu"
+        e2e.TARGET_SHAPE.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2)  # fmt: skip
+        e2e.DRAFT_SHAPE.update(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                               num_key_value_heads=2)  # fmt: skip
+    torch._dynamo.config.cache_size_limit = 64  # one graph per batch size and width, target and draft
+    target = e2e.build(e2e.TARGET_SHAPE, seed=0)
+    e2e.make_decisive(target)
+    draft = e2e.build(e2e.DRAFT_SHAPE, seed=1, cls=e2e.SyntheticDraft)
+    n_new = args.new_tokens
+    batches = args.batches if args.part == "batched" else [1]
+    all_inputs = {b: e2e.prompts(b, args.prompt_len, ragged=b > 1) for b in batches}
+    tables = []
+    with torch.no_grad():
+        for inputs in all_inputs.values():
+            seq = target.generate(**inputs, max_new_tokens=n_new + 8, do_sample=False)
+            tables.append(e2e.table_from(seq, inputs["attention_mask"]))
+    width = max(t.shape[0] for t in tables)
+    draft.next_token = torch.full((width, e2e.VOCAB), -1, dtype=torch.int32, device=e2e.DEVICE)
+    for t in tables:
+        draft.next_token[: t.shape[0]] = torch.where(t >= 0, t, draft.next_token[: t.shape[0]])
+    results: dict = {"meta": dict(gpu=e2e.device_name(), torch=torch.__version__,
+                                  transformers=transformers.__version__, python=platform.python_version(),
+                                  new_tokens=n_new, prompt_len=args.prompt_len, part=args.part)}  # fmt: skip
+    rows = []
+    if args.part == "batch1":
+        inputs = all_inputs[1]
+        config = target.generation_config
+        k = 4
+        steps = dict(target=compiled_step_ms(target, inputs, 1, config), draft=compiled_step_ms(draft, inputs, 1, config),
+                     draft_catch_up=compiled_step_ms(draft, inputs, 2, config),
+                     verify=compiled_step_ms(target, inputs, k + 1, config))  # fmt: skip
+        alpha = 0.8
+        e = (1 - alpha ** (k + 1)) / (1 - alpha)
+        steps["ideal_speedup_alpha0.8_k4"] = (
+            e * steps["target"] / (steps["draft_catch_up"] + (k - 1) * steps["draft"] + steps["verify"])
+        )
+        results["compiled_step_ms"] = steps
+        print(json.dumps(steps), flush=True)
+        rows.append(run_setting("B=1 alpha=0.8 k=4", target, draft, inputs, k, alpha, n_new, stock=True))
+        rows[-1]["efficiency_vs_ideal"] = rows[-1]["speedup_vs_compiled_plain"] / steps["ideal_speedup_alpha0.8_k4"]
+        if e2e.DEVICE == "cuda":
+            results["sampler_graph"] = sampler_in_graph()
+    elif args.part == "adaptive":
+        rows.append(run_setting("B=1 alpha=0 adaptive", target, draft, all_inputs[1], 4, 0.0, n_new, stock=False,
+                                schedule="adaptive"))  # fmt: skip
+    else:
+        for b in batches:
+            rows.append(run_setting(f"B={b} ragged alpha=0.8 k=4", target, draft, all_inputs[b], 4, 0.8, n_new,
+                                    stock=False))  # fmt: skip
+    results["rows"] = rows
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
