@@ -17,6 +17,7 @@ from transformers import PreTrainedModel
 
 from hf_specdec.batch import RaggedBatch
 from hf_specdec.cache import CacheView
+from hf_specdec.exact import ExactPath
 from hf_specdec.metrics import SpecDecodeStats
 from hf_specdec.proposers.base import Proposal, Proposer
 from hf_specdec.sampling import random as row_random
@@ -47,6 +48,7 @@ class SpeculativeLoop:
         streamer: object | None,
         output_scores: bool,
         output_logits: bool,
+        exact: ExactPath | None = None,
     ) -> None:
         self.model = model
         self.proposer = proposer
@@ -56,6 +58,7 @@ class SpeculativeLoop:
         self.k = num_speculative_tokens
         self.max_length = max_length
         self.streamer = streamer
+        self.exact = exact  # processors/criteria off the allow-lists: lockstep, scored position by position
         self.stats = SpecDecodeStats()
         self.target = CacheView(model, batch.batch_size, batch.pad_lengths)
         total = batch.batch_size
@@ -109,9 +112,13 @@ class SpeculativeLoop:
     def step(self) -> None:
         proposal = self.propose()
         target_logits = self.verify(proposal)  # [B, w, V]
-        scores = self.score(proposal, target_logits)
-        output_ids = self.accept(proposal, scores)  # [B, w]
-        num_kept, num_accepted = self.commit(proposal, output_ids, scores, target_logits)
+        stop_hits = None
+        if self.exact is not None:
+            output_ids, scores, stop_hits = self.exact.accept(self, proposal, target_logits)  # [B, w], [B, w, V]
+        else:
+            scores = self.score(proposal, target_logits)
+            output_ids = self.accept(proposal, scores)  # [B, w]
+        num_kept, num_accepted = self.commit(proposal, output_ids, scores, target_logits, stop_hits)
         self.rollback(num_accepted)
         self.retire_finished()
         self.sampling.step += 1
@@ -179,6 +186,7 @@ class SpeculativeLoop:
         output_ids: torch.Tensor,  # [B, w]
         scores: torch.Tensor,  # [B, w, V]
         target_logits: torch.Tensor,  # [B, w, V]
+        stop_hits: torch.Tensor | None = None,  # [B, w] the exact path's criteria answers, or None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append each row's emitted tokens, cut at the first stop, and update the stats."""
         batch = self.batch
@@ -189,7 +197,7 @@ class SpeculativeLoop:
         columns = (batch.lengths[:, None] + torch.arange(width, device=batch.device)).clamp(max=batch.capacity - 1)
         emitted = output_ids >= 0
         batch.token_ids[rows, columns] = torch.where(emitted, output_ids, batch.token_ids[rows, columns])
-        num_kept = self.stop_rules.apply(batch, num_emitted)  # [B]
+        num_kept = self.stop_rules.apply(batch, num_emitted, stop_hits)  # [B]
         self.record_outputs(num_kept, scores, target_logits)
         batch.lengths = batch.lengths + num_kept
         self.stats.record_step(proposal.num_draft_tokens, num_accepted)

@@ -20,6 +20,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from hf_specdec.batch import RaggedBatch
 from hf_specdec.config import SpecDecoder
 from hf_specdec.decoding import SpeculativeLoop
+from hf_specdec.exact import ExactPath, needs_exact_path
 from hf_specdec.metrics import SpecDecodeStats
 from hf_specdec.proposers.base import Proposer
 from hf_specdec.proposers.top1 import Top1Proposer
@@ -85,6 +86,9 @@ def generate(
         max_length=generation_config.max_length,
         batch_size=batch.batch_size,
     )
+    exact = None
+    if needs_exact_path(sampling, stopping_criteria):
+        exact = ExactPath(logits_processor, stopping_criteria, stop_rules.pad_token_id)
     loop = SpeculativeLoop(
         model=model,
         proposer=build_proposer(spec, model),
@@ -96,6 +100,7 @@ def generate(
         streamer=streamer,
         output_scores=bool(generation_config.return_dict_in_generate and generation_config.output_scores),
         output_logits=bool(generation_config.return_dict_in_generate and generation_config.output_logits),
+        exact=exact,
     )
     result = loop.run()
     loop.proposer.finish()
