@@ -22,6 +22,7 @@ from hf_specdec.config import SpecDecoder
 from hf_specdec.decoding import SpeculativeLoop
 from hf_specdec.exact import ExactPath, needs_exact_path
 from hf_specdec.metrics import SpecDecodeStats
+from hf_specdec.model_support import check_supported_cache
 from hf_specdec.proposers.base import Proposer
 from hf_specdec.proposers.top1 import Top1Proposer
 from hf_specdec.sampling import random as row_random
@@ -60,7 +61,10 @@ def generate(
     `hf_specdec.install()`, which forwards the usual names).
     """
     spec = _check_spec_decoder(spec_decoder)
+    check_supported_cache(model)
     _check_call(model, input_ids, generation_config, model_kwargs)
+    if spec.draft_model is not None:
+        check_supported_cache(spec.draft_model, role="draft")
     streamer = spec_streamer if spec_streamer is not None else spec.streamer
     tokenizer = spec_tokenizer if spec_tokenizer is not None else spec.tokenizer
     if spec_stop_strings is not None:
@@ -206,7 +210,12 @@ def _check_call(
             f"Speculative decoding does not combine with beam search (num_beams={config.num_beams}): pass num_beams=1."
         )
     if config.use_cache is False or model_kwargs.get("use_cache") is False:
-        raise ValueError("Speculative decoding needs the KV cache (use_cache=False was passed): drop use_cache=False.")
+        origin = "was passed"
+        if getattr(model.generation_config, "use_cache", None) is False:  # e.g. MPT's config defaults to it
+            origin = f"is {type(model).__name__}'s default (its generation_config sets it) unless you passed it"
+        raise ValueError(
+            f"Speculative decoding needs the KV cache, but use_cache=False {origin}: pass use_cache=True to generate."
+        )
     if config.output_attentions or config.output_hidden_states:
         raise NotImplementedError(
             f"output_attentions={config.output_attentions} / output_hidden_states={config.output_hidden_states} "
