@@ -72,7 +72,8 @@ class SpeculativeLoop:
             from hf_specdec.proposers.draft_model import output_vocab_size
 
             vocab = output_vocab_size(model)
-            shape = (total, max_length - batch.prompt_width, vocab)
+            # Grown as tokens come (`_grown`), as plain generate's per-step tuple grows: never [B, max_new, V] upfront.
+            shape = (total, 0, vocab)
             self.score_buffer = torch.zeros(shape, device=device) if output_scores else None
             self.logit_buffer = torch.zeros(shape, device=device) if output_logits else None
 
@@ -219,6 +220,9 @@ class SpeculativeLoop:
         offsets = torch.arange(width, device=scores.device)
         rows, cols = (offsets < num_kept[:, None]).nonzero(as_tuple=True)
         targets = batch.lengths[rows] + cols - batch.prompt_width
+        needed = int(targets.max().item()) + 1 if targets.numel() else 0
+        self.score_buffer = _grown(self.score_buffer, needed, self.max_length - batch.prompt_width)
+        self.logit_buffer = _grown(self.logit_buffer, needed, self.max_length - batch.prompt_width)
         for buffer, values in ((self.score_buffer, scores), (self.logit_buffer, logits)):
             if buffer is not None:
                 buffer[batch.row_ids[rows], targets] = values[rows, cols]
@@ -273,3 +277,13 @@ class SpeculativeLoop:
         if self.logit_buffer is not None:
             logits = tuple(self.logit_buffer[:, :generated].unbind(1))
         return LoopOutput(sequences=sequences, scores=scores, logits=logits)
+
+
+def _grown(buffer: torch.Tensor | None, needed: int, limit: int) -> torch.Tensor | None:  # [B_total, T', V]
+    """`buffer` with room for `needed` token columns: doubled when short (amortised copies), never past `limit`."""
+    if buffer is None or buffer.shape[1] >= needed:
+        return buffer
+    width = min(max(needed, 2 * buffer.shape[1]), max(limit, needed))
+    grown = buffer.new_zeros(buffer.shape[0], width, buffer.shape[2])
+    grown[:, : buffer.shape[1]] = buffer
+    return grown

@@ -114,7 +114,7 @@ class ExactPath:
             accepted = has_draft & (out[:, 1] >= 0)  # [B]
             output_ids[:, j] = out[:, 0]
             view[rows, length + j] = out[:, 0]
-            done = self.criteria(view[:, : length + j + 1], processed).to(device)  # [B_total]
+            done = self.criteria(view[:, : length + j + 1], None).to(device)  # [B_total]; plain passes None too
             hits[:, j] = done[rows]
             if not bool(accepted.all()) or bool((hits[:, j] & ~stopped).any()):
                 break
