@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import warnings
 
+import pytest
 import torch
 from transformers import AutoConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -170,6 +171,21 @@ def report(outcomes: dict[str, list[tuple[str, str]]]) -> str:
     return "\n".join(lines)
 
 
+#: The default run's subset: attention kinds (full, sliding, learned positions, GQA, ALiBi, parallel blocks) and
+#: the state kinds that must be refused (RWKV, Mamba, gated delta-net hybrid). The full sweep is marked slow.
+FAST_SUBSET = ["bloom", "gemma2", "gpt2", "gpt_neox", "llama", "mamba", "mpt", "opt", "qwen3_next", "rwkv"]
+
+
+def test_causal_lm_subset_is_identical_or_refused() -> None:
+    outcomes = run_sweep([name for name in FAST_SUBSET if name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES])
+    text = report(outcomes)
+    print("\ncausal-LM subset:\n" + text)
+    assert not outcomes.get("different") and not outcomes.get("crashed"), text
+    assert {"llama", "gpt2"} <= {name for name, _ in outcomes.get("identical", [])}, text
+    assert {"rwkv", "mamba", "qwen3_next"} <= {name for name, _ in outcomes.get("refused", [])}, text
+
+
+@pytest.mark.slow
 def test_every_causal_lm_is_identical_or_refused() -> None:
     outcomes = run_sweep(sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))
     text = report(outcomes)
