@@ -58,6 +58,14 @@ class RaggedBatch:
             bad = (mask[:, 1:] < mask[:, :-1]).any(1) | (mask.sum(1) == 0)  # [B] right-padded or empty rows
             if bool(bad.any()):
                 row = int(bad.nonzero()[0, 0])
+                if bool(mask[row, -1]) and bool(mask[row].any()):  # ends with a real token: a hole inside the prompt
+                    raise ValueError(
+                        f"The attention_mask of row {row} is {mask[row].tolist()}: it masks tokens between real ones, "
+                        "which hf_specdec does not support. Without an attention_mask, transformers infers this one "
+                        f"from the pad token id found inside the prompt (input_ids[{row}] = "
+                        f"{input_ids[row].tolist()}): pass attention_mask=torch.ones_like(input_ids) if those are "
+                        "real tokens, or remove them from the prompt."
+                    )
                 raise ValueError(
                     "hf_specdec needs left-padded batches (padding first, then the prompt), but the attention_mask "
                     f"of row {row} is {mask[row].tolist()} (padding after a prompt token, or no token at all): set "

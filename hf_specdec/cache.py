@@ -14,26 +14,11 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from hf_specdec.model_support import check_attention_implementation
+
 #: Compact when holes exceed this share of the cache columns (and the cache is at least this wide).
 COMPACT_HOLE_SHARE = 0.5
 COMPACT_MIN_COLUMNS = 64
-
-
-def check_attention_implementation(model: PreTrainedModel) -> None:
-    """Raise if the model's attention cannot take the explicit 4-D masks this package builds."""
-    impl = model.config._attn_implementation
-    if impl not in ("sdpa", "eager"):
-        raise ValueError(
-            f"hf_specdec needs attn_implementation 'sdpa' or 'eager' (it passes explicit 4-D masks with holes), "
-            f"but {type(model).__name__} uses {impl!r}: load it with attn_implementation='sdpa'."
-        )
-    layer_types = getattr(model.config, "layer_types", None) or ()
-    unsupported = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
-    if unsupported:
-        raise NotImplementedError(
-            f"{type(model).__name__} has layer types {unsupported}, which hf_specdec does not support yet "
-            "(supported: full_attention, sliding_attention)."
-        )
 
 
 class CacheView:

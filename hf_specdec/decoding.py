@@ -18,6 +18,7 @@ from transformers import PreTrainedModel
 
 from hf_specdec.batch import RaggedBatch
 from hf_specdec.cache import CacheView
+from hf_specdec.exact import ExactPath
 from hf_specdec.metrics import SpecDecodeStats
 from hf_specdec.proposers.base import Proposal, Proposer
 from hf_specdec.sampling import random as row_random
@@ -62,6 +63,7 @@ class SpeculativeLoop:
         output_scores: bool,
         output_logits: bool,
         static: StaticPlan | None = None,
+        exact: ExactPath | None = None,
     ) -> None:
         self.model = model
         self.proposer = proposer
@@ -71,6 +73,7 @@ class SpeculativeLoop:
         self.k = num_speculative_tokens
         self.max_length = max_length
         self.streamer = streamer
+        self.exact = exact  # processors/criteria off the allow-lists: lockstep, scored position by position
         self.stats = SpecDecodeStats()
         total = batch.batch_size
         device = batch.device
@@ -93,7 +96,8 @@ class SpeculativeLoop:
             from hf_specdec.proposers.draft_model import output_vocab_size
 
             vocab = output_vocab_size(model)
-            shape = (total, max_length - batch.prompt_width, vocab)
+            # Grown as tokens come (`_grown`), as plain generate's per-step tuple grows: never [B, max_new, V] upfront.
+            shape = (total, 0, vocab)
             self.score_buffer = torch.zeros(shape, device=device) if output_scores else None
             self.logit_buffer = torch.zeros(shape, device=device) if output_logits else None
 
@@ -141,9 +145,13 @@ class SpeculativeLoop:
     def step(self) -> None:
         proposal = self.propose()
         target_logits = self.verify(proposal)  # [B, w, V]
-        scores = self.score(proposal, target_logits)
-        output_ids = self.accept(proposal, scores)  # [B, w]
-        num_kept, num_accepted = self.commit(proposal, output_ids, scores, target_logits)
+        stop_hits = None
+        if self.exact is not None:
+            output_ids, scores, stop_hits = self.exact.accept(self, proposal, target_logits)  # [B, w], [B, w, V]
+        else:
+            scores = self.score(proposal, target_logits)
+            output_ids = self.accept(proposal, scores)  # [B, w]
+        num_kept, num_accepted = self.commit(proposal, output_ids, scores, target_logits, stop_hits)
         self.rollback(num_accepted)
         self.retire_finished()
         self.sampling.step += 1
@@ -219,6 +227,7 @@ class SpeculativeLoop:
         output_ids: torch.Tensor,  # [B, w]
         scores: torch.Tensor,  # [B, w, V]
         target_logits: torch.Tensor,  # [B, w, V]
+        stop_hits: torch.Tensor | None = None,  # [B, w] the exact path's criteria answers, or None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append each row's emitted tokens, cut at the first stop, and update the stats."""
         batch = self.batch
@@ -229,7 +238,7 @@ class SpeculativeLoop:
         columns = (batch.lengths[:, None] + torch.arange(width, device=batch.device)).clamp(max=batch.capacity - 1)
         emitted = output_ids >= 0
         batch.token_ids[rows, columns] = torch.where(emitted, output_ids, batch.token_ids[rows, columns])
-        num_kept = self.stop_rules.apply(batch, num_emitted, width)  # [B]
+        num_kept = self.stop_rules.apply(batch, num_emitted, width, stop_hits)  # [B]
         self.record_outputs(num_kept, scores, target_logits)
         batch.lengths = batch.lengths + num_kept
         self.stats.record_step(proposal.num_draft_tokens, num_accepted, batch.batch_size - self.num_frozen)
@@ -250,6 +259,9 @@ class SpeculativeLoop:
         offsets = torch.arange(width, device=scores.device)
         rows, cols = (offsets < num_kept[:, None]).nonzero(as_tuple=True)
         targets = batch.lengths[rows] + cols - batch.prompt_width
+        needed = int(targets.max().item()) + 1 if targets.numel() else 0
+        self.score_buffer = _grown(self.score_buffer, needed, self.max_length - batch.prompt_width)
+        self.logit_buffer = _grown(self.logit_buffer, needed, self.max_length - batch.prompt_width)
         for buffer, values in ((self.score_buffer, scores), (self.logit_buffer, logits)):
             if buffer is not None:
                 buffer[batch.row_ids[rows], targets] = values[rows, cols]
@@ -336,3 +348,13 @@ class SpeculativeLoop:
         if self.logit_buffer is not None:
             logits = tuple(self.logit_buffer[:, :generated].unbind(1))
         return LoopOutput(sequences=sequences, scores=scores, logits=logits)
+
+
+def _grown(buffer: torch.Tensor | None, needed: int, limit: int) -> torch.Tensor | None:  # [B_total, T', V]
+    """`buffer` with room for `needed` token columns: doubled when short (amortised copies), never past `limit`."""
+    if buffer is None or buffer.shape[1] >= needed:
+        return buffer
+    width = min(max(needed, 2 * buffer.shape[1]), max(limit, needed))
+    grown = buffer.new_zeros(buffer.shape[0], width, buffer.shape[2])
+    grown[:, : buffer.shape[1]] = buffer
+    return grown

@@ -22,7 +22,9 @@ from hf_specdec import compat
 from hf_specdec.batch import RaggedBatch
 from hf_specdec.config import SpecDecoder
 from hf_specdec.decoding import SpeculativeLoop, StaticPlan
+from hf_specdec.exact import ExactPath, needs_exact_path
 from hf_specdec.metrics import SpecDecodeStats
+from hf_specdec.model_support import check_supported_cache
 from hf_specdec.proposers.base import Proposer
 from hf_specdec.proposers.top1 import Top1Proposer
 from hf_specdec.sampling import random as row_random
@@ -61,7 +63,10 @@ def generate(
     `hf_specdec.install()`, which forwards the usual names).
     """
     spec = _check_spec_decoder(spec_decoder)
+    check_supported_cache(model)
     _check_call(model, input_ids, generation_config, model_kwargs)
+    if spec.draft_model is not None:
+        check_supported_cache(spec.draft_model, role="draft")
     streamer = spec_streamer if spec_streamer is not None else spec.streamer
     tokenizer = spec_tokenizer if spec_tokenizer is not None else spec.tokenizer
     if spec_stop_strings is not None:
@@ -87,6 +92,16 @@ def generate(
         max_length=generation_config.max_length,
         batch_size=batch.batch_size,
     )
+    exact = None
+    if needs_exact_path(sampling, stopping_criteria):
+        exact = ExactPath(logits_processor, stopping_criteria, stop_rules.pad_token_id)
+        if generation_config.cache_implementation == "static":
+            names = sorted({type(p).__name__ for p in (*logits_processor, *stopping_criteria)})
+            raise NotImplementedError(
+                f"This call has logits processors or stopping criteria off hf_specdec's vectorised allow-list "
+                f"(among {names}), which run on the exact position-by-position path; that path does not run on "
+                "static caches yet: drop cache_implementation='static' (the default dynamic cache supports them)."
+            )
     loop = SpeculativeLoop(
         model=model,
         proposer=build_proposer(spec, model),
@@ -101,6 +116,7 @@ def generate(
         static=static_plan(model, spec, generation_config)
         if generation_config.cache_implementation == "static"
         else None,
+        exact=exact,
     )
     result = loop.run()
     loop.proposer.finish()
@@ -224,7 +240,12 @@ def _check_call(
             f"Speculative decoding does not combine with beam search (num_beams={config.num_beams}): pass num_beams=1."
         )
     if config.use_cache is False or model_kwargs.get("use_cache") is False:
-        raise ValueError("Speculative decoding needs the KV cache (use_cache=False was passed): drop use_cache=False.")
+        origin = "was passed"
+        if getattr(model.generation_config, "use_cache", None) is False:  # e.g. MPT's config defaults to it
+            origin = f"is {type(model).__name__}'s default (its generation_config sets it) unless you passed it"
+        raise ValueError(
+            f"Speculative decoding needs the KV cache, but use_cache=False {origin}: pass use_cache=True to generate."
+        )
     if config.output_attentions or config.output_hidden_states:
         raise NotImplementedError(
             f"output_attentions={config.output_attentions} / output_hidden_states={config.output_hidden_states} "

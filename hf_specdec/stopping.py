@@ -37,8 +37,14 @@ class StopRules:
     def select_rows(self, keep: torch.Tensor) -> None:
         self.stopped = self.stopped[keep.to(self.stopped.device)]
 
-    def apply(self, batch: RaggedBatch, num_emitted: torch.Tensor, width: int) -> torch.Tensor:  # [B] to keep
-        """Find each row's first stop among its `num_emitted` (<= width) new tokens (already in the buffer)."""
+    def apply(
+        self,
+        batch: RaggedBatch,
+        num_emitted: torch.Tensor,  # [B]
+        width: int,  # slots of the step's output (num_emitted <= width): static, no host sync
+        hits: torch.Tensor | None = None,  # [B, w] criteria answers the exact path already got, or None
+    ) -> torch.Tensor:  # [B] tokens to keep
+        """Find each row's first stop among its `num_emitted` new tokens (already in the buffer)."""
         device = batch.device
         self.stopped = self.stopped.to(device)
         self.max_stop_length = self.max_stop_length.to(device)
@@ -46,13 +52,16 @@ class StopRules:
         fresh = (offsets < num_emitted[:, None]) & ~self.stopped[:, None]  # [B, w] new tokens still checked
         index = (batch.lengths[:, None] + offsets).clamp(max=batch.capacity - 1)  # [B, w]
         hit = torch.zeros_like(fresh)  # [B, w]: the row stops right after this token
-        if self.eos_token_ids is not None:
+        if hits is not None:  # the exact path called the whole criteria list, in order, on the full batch
+            hit = hits[:, :width].to(device) & fresh
+        elif self.eos_token_ids is not None:
             new_tokens = batch.token_ids.gather(1, index)
             hit |= torch.isin(new_tokens, self.eos_token_ids.to(device))
-        for max_length in self.max_lengths:
-            hit |= index + 1 >= max_length
+        if hits is None:
+            for max_length in self.max_lengths:
+                hit |= index + 1 >= max_length
         hit &= fresh
-        if len(self.general) > 0:
+        if hits is None and len(self.general) > 0:
             hit |= self._general_hits(batch, fresh & ~_after_first(hit), index)
         any_hit = hit.any(1)
         first = hit.float().argmax(1)  # [B] offset of the first hit

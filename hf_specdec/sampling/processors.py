@@ -3,8 +3,10 @@
 `generate` prepares a `LogitsProcessorList` for one token per row. Speculation scores k+1 positions
 per row at once, and rows have different lengths, so each position (i, j) must see exactly the
 `input_ids` plain decoding would have had there: row i's buffer up to its own prefix length.
-Processors that never read `input_ids` (temperature, top-k, top-p, min-p, ...) run once on all
-positions; the others run once per distinct prefix length, on the rows that share it.
+This vectorised path is only for the processors on an explicit allow-list (`PURE_PROCESSORS`: stateless,
+each position a pure function of its own prefix and scores). Those that never read `input_ids`
+(temperature, top-k, top-p, min-p, ...) run once on all positions; the others once per distinct prefix
+length. Any other processor makes the call take the exact path (`hf_specdec.exact`).
 `StepSampling` carries the processors, greedy/sampling, and the per-row seeds for one call.
 """
 
@@ -14,49 +16,65 @@ import copy
 from dataclasses import dataclass
 
 import torch
-from transformers.generation.logits_process import (
-    EpsilonLogitsWarper,
-    EtaLogitsWarper,
-    InfNanRemoveLogitsProcessor,
-    LogitNormalization,
-    LogitsProcessorList,
-    MinPLogitsWarper,
-    PrefixConstrainedLogitsProcessor,
-    RepetitionPenaltyLogitsProcessor,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-    TypicalLogitsWarper,
-    UnbatchedClassifierFreeGuidanceLogitsProcessor,
-)
+from transformers.generation import logits_process as lp
+from transformers.generation.logits_process import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
 from hf_specdec.sampling import random as row_random
 
+
+def _classes(*names: str) -> frozenset[type]:
+    """The named classes of `transformers.generation.logits_process` that this transformers version has."""
+    return frozenset(getattr(lp, name) for name in names if hasattr(lp, name))
+
+
 #: Processors whose output depends on the scores only, never on input_ids: safe to batch over positions.
-PREFIX_FREE_PROCESSORS = (
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-    MinPLogitsWarper,
-    TypicalLogitsWarper,
-    EpsilonLogitsWarper,
-    EtaLogitsWarper,
-    InfNanRemoveLogitsProcessor,
-    LogitNormalization,
+PREFIX_FREE_PROCESSORS = _classes(
+    "TemperatureLogitsWarper",
+    "TopKLogitsWarper",
+    "TopPLogitsWarper",
+    "TopHLogitsWarper",
+    "MinPLogitsWarper",
+    "TypicalLogitsWarper",
+    "EpsilonLogitsWarper",
+    "EtaLogitsWarper",
+    "InfNanRemoveLogitsProcessor",
+    "LogitNormalization",
+    "SuppressTokensLogitsProcessor",
 )
 
-#: Processors that depend on the row's index in the batch or run models of their own.
-UNSUPPORTED_PROCESSORS = (PrefixConstrainedLogitsProcessor, UnbatchedClassifierFreeGuidanceLogitsProcessor)
+#: The allow-list of the vectorised path: each read in transformers' source to keep no state across calls (or only
+#: a lazily built constant) and to give row i the same output whatever the other rows are, so scoring any set of
+#: (row, prefix) pairs at once equals plain decoding's calls. Matched by exact type: a subclass may add state.
+PURE_PROCESSORS = PREFIX_FREE_PROCESSORS | _classes(
+    "RepetitionPenaltyLogitsProcessor",
+    "NoRepeatNGramLogitsProcessor",
+    "SequenceBiasLogitsProcessor",
+    "NoBadWordsLogitsProcessor",
+    "MinLengthLogitsProcessor",
+    "MinNewTokensLengthLogitsProcessor",
+    "ForcedBOSTokenLogitsProcessor",
+    "ForcedEOSTokenLogitsProcessor",
+    "ExponentialDecayLengthPenalty",
+    "SuppressTokensAtBeginLogitsProcessor",
+)
+
+#: Processors refused before any model work: each runs a model with a cache of its own on every call.
+UNSUPPORTED_PROCESSORS = _classes("UnbatchedClassifierFreeGuidanceLogitsProcessor")
 
 
 def check_processors(processors: LogitsProcessorList) -> None:
-    """Raise for processors that cannot be applied per position of a ragged batch."""
+    """Raise for processors that the exact path cannot reproduce either."""
     for processor in processors:
-        if isinstance(processor, UNSUPPORTED_PROCESSORS):
+        if type(processor) in UNSUPPORTED_PROCESSORS:
             raise NotImplementedError(
-                f"{type(processor).__name__} is not supported by hf_specdec (it depends on the row's batch index or "
-                "runs a model of its own): generate without speculation for this call."
+                f"{type(processor).__name__} is not supported by hf_specdec (it runs a model with a cache of its own "
+                "on every call, which speculation cannot replay): generate without speculation for this call."
             )
+
+
+def is_pure(processor: object) -> bool:
+    """Whether `processor` is on the vectorised path's allow-list (`PURE_PROCESSORS`)."""
+    return type(processor) in PURE_PROCESSORS
 
 
 @dataclass
@@ -70,7 +88,11 @@ class StepSampling:
 
     def __post_init__(self) -> None:
         check_processors(self.processors)
-        self.prefix_free = all(isinstance(p, PREFIX_FREE_PROCESSORS) for p in self.processors)
+        # Processors off the allow-list make the loop score target positions on the exact path (hf_specdec.exact);
+        # `process` (the drafts' q, and the fast path) then applies only the allow-listed ones: any q is exact.
+        self.exact = not all(is_pure(p) for p in self.processors)
+        self.pure = LogitsProcessorList([p for p in self.processors if is_pure(p)])
+        self.prefix_free = all(type(p) in PREFIX_FREE_PROCESSORS for p in self.pure)
         self.row_ids = torch.arange(self.seeds.shape[0], device=self.seeds.device)  # [B] caller's row of each row
         # Only processors with per-row state need a copy sliced to the rows they score (see `processors_for_rows`).
         self.has_row_state = any(_has_row_state(p) for p in self.processors)
@@ -86,19 +108,19 @@ class StepSampling:
         valid: torch.Tensor,  # [B, w] bool: positions whose scores are needed
         logits: torch.Tensor,  # [B, w, V] float32
     ) -> torch.Tensor:  # [B, w, V] processed scores (garbage where not valid)
-        """Apply the processors to every valid position with its own prefix."""
-        if len(self.processors) == 0:
+        """Apply the allow-listed processors to every valid position with its own prefix (all of them unless exact)."""
+        if len(self.pure) == 0:
             return logits
         batch_size, width, vocab = logits.shape
         if self.prefix_free:
             flat = logits.reshape(batch_size * width, vocab)
             dummy_ids = token_ids[:1, :1].expand(flat.shape[0], 1)  # [B*w, 1], never read
-            return self.processors(dummy_ids, flat).reshape(batch_size, width, vocab)
+            return self.pure(dummy_ids, flat).reshape(batch_size, width, vocab)
         scores = logits.clone()
         lengths = torch.where(valid, prefix_lengths, -1)
         for length in torch.unique(lengths[valid]).tolist():
             rows, cols = (lengths == length).nonzero(as_tuple=True)
-            processors = self.processors
+            processors = self.pure
             if self.has_row_state:
                 processors = processors_for_rows(processors, self.row_ids[rows.to(self.row_ids.device)])
             scores[rows, cols] = processors(token_ids[rows, :length], logits[rows, cols])

@@ -93,7 +93,7 @@ CASES = [
         "use_cache_false",
         lambda t: call(t, make_prompts(1), hf_specdec.SpecDecoder(method="ngram"), use_cache=False),
         ValueError,
-        [r"use_cache=False", r"drop use_cache"],
+        [r"use_cache=False", r"pass use_cache=True"],
     ),
     (
         "output_attentions",
