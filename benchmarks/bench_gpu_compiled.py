@@ -153,15 +153,7 @@ def main() -> None:
     n_new = args.new_tokens
     batches = args.batches if args.part == "batched" else [1]
     all_inputs = {b: e2e.prompts(b, args.prompt_len, ragged=b > 1) for b in batches}
-    tables = []
-    with torch.no_grad():
-        for inputs in all_inputs.values():
-            seq = target.generate(**inputs, max_new_tokens=n_new + 8, do_sample=False)
-            tables.append(e2e.table_from(seq, inputs["attention_mask"]))
-    width = max(t.shape[0] for t in tables)
-    draft.next_token = torch.full((width, e2e.VOCAB), -1, dtype=torch.int32, device=e2e.DEVICE)
-    for t in tables:
-        draft.next_token[: t.shape[0]] = torch.where(t >= 0, t, draft.next_token[: t.shape[0]])
+    e2e.teach_synthetic_draft(target, draft, all_inputs.values(), n_new)
     results: dict = {"meta": dict(gpu=e2e.device_name(), torch=torch.__version__,
                                   transformers=transformers.__version__, python=platform.python_version(),
                                   new_tokens=n_new, prompt_len=args.prompt_len, part=args.part)}  # fmt: skip

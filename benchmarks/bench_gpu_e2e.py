@@ -108,6 +108,19 @@ class SyntheticDraft(LlamaForCausalLM):
         return out
 
 
+@torch.no_grad()
+def teach_synthetic_draft(target, draft: SyntheticDraft, all_inputs, n_new: int) -> None:  # noqa: ANN001
+    """Give the draft the target's greedy continuation of every prompt (plus a margin for drafts past the end)."""
+    tables = []
+    for inputs in all_inputs:
+        seq = target.generate(**inputs, max_new_tokens=n_new + 8, do_sample=False)
+        tables.append(table_from(seq, inputs["attention_mask"]))
+    width = max(t.shape[0] for t in tables)
+    draft.next_token = torch.full((width, VOCAB), -1, dtype=torch.int32, device=DEVICE)
+    for t in tables:
+        draft.next_token[: t.shape[0]] = torch.where(t >= 0, t, draft.next_token[: t.shape[0]])
+
+
 def table_from(sequences: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:  # [P, V] int32
     """next_token[p, t]: the token that follows token t at position p in the greedy runs."""
     mask = torch.cat([attention_mask, torch.ones_like(sequences[:, attention_mask.shape[1] :])], 1)
@@ -249,16 +262,7 @@ def main() -> None:
 
     # Greedy continuations of every prompt used below (plus a margin for drafts past the end) feed the draft.
     all_inputs = {b: prompts(b, args.prompt_len, ragged=b > 1) for b in [1, *args.batches]}
-    tables = []
-    with torch.no_grad():
-        for inputs in all_inputs.values():
-            seq = target.generate(**inputs, max_new_tokens=n_new + 8, do_sample=False)
-            tables.append(table_from(seq, inputs["attention_mask"]))
-    width = max(t.shape[0] for t in tables)
-    draft.next_token = torch.full((width, VOCAB), -1, dtype=torch.int32, device=DEVICE)
-    for t in tables:
-        draft.next_token[: t.shape[0]] = torch.where(t >= 0, t, draft.next_token[: t.shape[0]])
-    del tables
+    teach_synthetic_draft(target, draft, all_inputs.values(), n_new)
 
     # Step costs at batch 1 with a cache of prompt + half the generation.
     context = args.prompt_len + n_new // 2

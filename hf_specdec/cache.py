@@ -68,7 +68,20 @@ class CacheView:
         # A single row without holes is laid out exactly like plain decoding's cache: let the model build its own
         # causal mask (no explicit mask keeps sdpa on its GQA-native, flash-capable path).
         mask = None if self.aligned and width > 0 else self._attention_mask(queries, keys)
-        outputs = self.model(
+        outputs = self._run(self.model, input_ids, mask, position_ids, logits_to_keep)
+        self.column_index = keys
+        self.cached_lengths = self.cached_lengths + num_new
+        return outputs.logits.float()
+
+    def _run(
+        self,
+        call: object,  # the model, or its compiled __call__
+        input_ids: torch.Tensor,  # [B, w]
+        mask: torch.Tensor | dict[str, torch.Tensor] | None,
+        position_ids: torch.Tensor,  # [B, w]
+        logits_to_keep: int | None,
+    ) -> object:
+        return call(
             input_ids=input_ids,
             attention_mask=mask,
             position_ids=position_ids,
@@ -76,9 +89,6 @@ class CacheView:
             use_cache=True,
             logits_to_keep=logits_to_keep if logits_to_keep is not None else 0,
         )
-        self.column_index = keys
-        self.cached_lengths = self.cached_lengths + num_new
-        return outputs.logits.float()
 
     def _attention_mask(
         self,

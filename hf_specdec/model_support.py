@@ -43,7 +43,13 @@ def check_supported_cache(model: PreTrainedModel, role: str = "target") -> None:
     name = type(model).__name__
     if model.config.is_encoder_decoder:
         return  # encoder-decoder targets are checked (and refused or routed) by the generate entry
-    parameters = inspect.signature(model.forward).parameters
+    parameters = dict(inspect.signature(model.forward).parameters)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        # A subclass that forwards **kwargs (a wrapper around a real causal LM) takes what its base class takes.
+        for base in type(model).__mro__[1:]:
+            forward = base.__dict__.get("forward")
+            if forward is not None:
+                parameters.update(inspect.signature(forward).parameters)
     supports_cache = getattr(type(model), "_supports_default_dynamic_cache", lambda: True)()
     if "past_key_values" not in parameters or not supports_cache:
         raise NotImplementedError(
@@ -66,11 +72,13 @@ def check_supported_cache(model: PreTrainedModel, role: str = "target") -> None:
 
 
 def check_attention_implementation(model: PreTrainedModel) -> None:
-    """Raise if the model's attention cannot take the explicit 4-D masks this package builds, or its cache kind."""
+    """Raise if the model's attention cannot take the explicit 4-D masks this package builds.
+
+    Every `CacheView` checks this; which models are supported at all (`check_supported_cache`) is checked once per
+    call by the generate entry, for the target and the draft (MTP layers are checked with their target)."""
     impl = model.config._attn_implementation
     if impl not in SUPPORTED_ATTENTION:
         raise ValueError(
             f"hf_specdec needs attn_implementation 'sdpa' or 'eager' (it passes explicit 4-D masks with holes), "
             f"but {type(model).__name__} uses {impl!r}: load it with attn_implementation='sdpa'."
         )
-    check_supported_cache(model)

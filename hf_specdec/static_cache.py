@@ -95,14 +95,7 @@ class StaticCacheView(CacheView):
         if call is not self.model:
             torch.compiler.cudagraph_mark_step_begin()
             compiled_before, start = compat.num_compiled_graphs(), time.perf_counter()
-        outputs = call(
-            input_ids=input_ids,
-            attention_mask=mask,
-            position_ids=position_ids,
-            past_key_values=self.cache,
-            use_cache=True,
-            logits_to_keep=logits_to_keep if logits_to_keep is not None else 0,
-        )
+        outputs = self._run(call, input_ids, mask, position_ids, logits_to_keep)
         if call is not self.model and compat.num_compiled_graphs() != compiled_before:  # this call compiled
             torch.cuda.synchronize(token_ids.device)
             self.plan.compile_time_s += time.perf_counter() - start

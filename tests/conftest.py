@@ -103,6 +103,13 @@ def make_prompts(
     return {"input_ids": input_ids, "attention_mask": attention_mask}
 
 
+@pytest.fixture(scope="module", params=ARCHS)
+def arch_models(request: pytest.FixtureRequest) -> tuple[str, torch.nn.Module, torch.nn.Module]:
+    """(arch, target, a smaller draft of the same architecture) for each architecture the tests cover."""
+    arch = request.param
+    return arch, make_model(arch, seed=0), make_model(arch, seed=1, layers=1, hidden=32)
+
+
 @pytest.fixture(scope="session")
 def llama() -> torch.nn.Module:
     return make_model("llama", seed=0)

@@ -11,14 +11,6 @@ import hf_specdec
 MAX_NEW = 16
 
 
-@pytest.fixture(scope="module", params=ARCHS)
-def arch_models(request):
-    arch = request.param
-    target = make_model(arch, seed=0)
-    small = make_model(arch, seed=1, layers=1, hidden=32)
-    return arch, target, small
-
-
 @pytest.mark.parametrize("batch_size", [1, 3, 8])
 def test_greedy_matches_plain_generate(arch_models, batch_size):
     arch, target, small = arch_models

@@ -8,21 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ARCHS, make_model, make_noisy_copy, make_prompts, spec_generate
+from conftest import make_model, make_noisy_copy, make_prompts, spec_generate
 
 import hf_specdec
 from hf_specdec.static_cache import StaticCacheView
 
 MAX_NEW = 16
 STATIC = dict(cache_implementation="static", do_sample=False)
-
-
-@pytest.fixture(scope="module", params=ARCHS)
-def arch_models(request):
-    arch = request.param
-    target = make_model(arch, seed=0)
-    small = make_model(arch, seed=1, layers=1, hidden=32)
-    return arch, target, small
 
 
 @pytest.mark.parametrize("batch_size", [1, 3, 8])
