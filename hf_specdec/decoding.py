@@ -17,6 +17,7 @@ from transformers import PreTrainedModel
 
 from hf_specdec.batch import RaggedBatch
 from hf_specdec.cache import CacheView
+from hf_specdec.continuation import CacheHandoff
 from hf_specdec.metrics import SpecDecodeStats
 from hf_specdec.proposers.base import Proposal, Proposer
 from hf_specdec.sampling import random as row_random
@@ -30,6 +31,7 @@ class LoopOutput:
     sequences: torch.Tensor  # [B, L] token ids laid out like plain generate's
     scores: tuple[torch.Tensor, ...] | None  # one [B, V] per generated column (processed scores)
     logits: tuple[torch.Tensor, ...] | None  # one [B, V] per generated column (raw logits)
+    past_key_values: object | None = None  # the cache plain generate would leave (when a CacheHandoff asks)
 
 
 class SpeculativeLoop:
@@ -47,6 +49,7 @@ class SpeculativeLoop:
         streamer: object | None,
         output_scores: bool,
         output_logits: bool,
+        handoff: CacheHandoff | None = None,
     ) -> None:
         self.model = model
         self.proposer = proposer
@@ -58,6 +61,10 @@ class SpeculativeLoop:
         self.streamer = streamer
         self.stats = SpecDecodeStats()
         self.target = CacheView(model, batch.batch_size, batch.pad_lengths)
+        self.handoff = handoff  # adopts a filled past_key_values; keeps leaving rows' caches to hand back
+        if handoff is not None:
+            handoff.adopt(self.target)
+        self.prefilled = False
         total = batch.batch_size
         device = batch.device
         self.sequences = batch.token_ids[:, :max_length].clone()  # [B_total, max_length] final rows
@@ -141,8 +148,9 @@ class SpeculativeLoop:
         """
         unseen = self.batch.lengths - self.target.cached_lengths  # [B] 1, or the whole row at step 0
         keep = None  # after step 0 every fed slot is [newest token, drafts]: keep them all (no host sync)
-        if self.target.width == 0:  # step 0: of the prefill keep [last prompt token, drafts]
+        if not self.prefilled:  # step 0: of the prefill (all the prompt a filled cache lacks) keep [last, drafts]
             keep = 1 + int(proposal.num_draft_tokens.max().item())
+            self.prefilled = True
         return self.target.forward(self.batch.token_ids, unseen + proposal.num_draft_tokens, logits_to_keep=keep)
 
     def score(self, proposal: Proposal, target_logits: torch.Tensor) -> torch.Tensor:  # [B, 1 + k, V]
@@ -225,6 +233,8 @@ class SpeculativeLoop:
                 row, length = int(batch.row_ids[i]), int(batch.lengths[i])
                 self.sequences[row, :length] = batch.token_ids[i, :length]
                 self.final_lengths[row] = length
+            if self.handoff is not None:
+                self.handoff.stash(self.target, leaving, batch.row_ids[leaving])
             keep = (~done).nonzero().squeeze(1)
             batch.select_rows(keep)
             self.target.select_rows(keep)
@@ -264,4 +274,5 @@ class SpeculativeLoop:
             scores = tuple(self.score_buffer[:, :generated].unbind(1))
         if self.logit_buffer is not None:
             logits = tuple(self.logit_buffer[:, :generated].unbind(1))
-        return LoopOutput(sequences=sequences, scores=scores, logits=logits)
+        cache = self.handoff.hand_back(self.model, sequences) if self.handoff is not None else None
+        return LoopOutput(sequences=sequences, scores=scores, logits=logits, past_key_values=cache)

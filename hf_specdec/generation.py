@@ -12,13 +12,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import GenerationConfig, PreTrainedModel
+from transformers import DynamicCache, GenerationConfig, PreTrainedModel
 from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from hf_specdec.batch import RaggedBatch
 from hf_specdec.config import SpecDecoder
+from hf_specdec.continuation import CacheHandoff, check_continuation_cache
 from hf_specdec.decoding import SpeculativeLoop
 from hf_specdec.metrics import SpecDecodeStats
 from hf_specdec.proposers.base import Proposer
@@ -73,6 +74,7 @@ def generate(
     if streamer is not None:
         streamer.put(input_ids.cpu())
 
+    handoff = build_handoff(model, spec, input_ids, generation_config, model_kwargs.get("past_key_values"))
     batch = RaggedBatch.from_prompts(
         input_ids, model_kwargs.get("attention_mask"), generation_config.max_length + spec.max_speculative_tokens + 1
     )
@@ -96,15 +98,42 @@ def generate(
         streamer=streamer,
         output_scores=bool(generation_config.return_dict_in_generate and generation_config.output_scores),
         output_logits=bool(generation_config.return_dict_in_generate and generation_config.output_logits),
+        handoff=handoff,
     )
     result = loop.run()
     loop.proposer.finish()
     spec.last_stats = loop.stats
     if generation_config.return_dict_in_generate:
         return SpecDecodeOutput(
-            sequences=result.sequences, scores=result.scores, logits=result.logits, spec_stats=loop.stats
+            sequences=result.sequences,
+            scores=result.scores,
+            logits=result.logits,
+            past_key_values=result.past_key_values,
+            spec_stats=loop.stats,
         )
     return result.sequences
+
+
+def build_handoff(
+    model: PreTrainedModel, spec: SpecDecoder, input_ids: torch.Tensor, config: GenerationConfig, cache: Any
+) -> CacheHandoff | None:
+    """The cache handoff of this call: adopt a filled `past_key_values`, and fill the caller's cache (or the one a
+    `return_dict_in_generate` output carries) like plain decoding; None when nobody will see the cache."""
+    if cache is None:
+        if not config.return_dict_in_generate:
+            return None
+        cache = DynamicCache(config=model.config.get_text_config(decoder=True))
+    past = check_continuation_cache(cache, input_ids)
+    if past and spec.method == "mtp":
+        raise NotImplementedError(
+            "method='mtp' (use_mtp=True) cannot continue a filled past_key_values (its layers need the target's hidden "
+            "states of every earlier token): pass the full conversation without past_key_values, or use a draft "
+            "model or prompt lookup."
+        )
+    # generate creates a cache of its own when the caller passed none; fill it only when the output returns it.
+    if not past and not config.return_dict_in_generate and not getattr(cache, "_is_user_defined", True):
+        return None
+    return CacheHandoff(cache, past)
 
 
 def build_proposer(spec: SpecDecoder, model: PreTrainedModel) -> Top1Proposer:
@@ -212,11 +241,6 @@ def _check_call(
         raise NotImplementedError(
             f"cache_implementation={config.cache_implementation!r} is not supported by hf_specdec yet: it keeps its own "
             "DynamicCache per call; drop cache_implementation."
-        )
-    cache = model_kwargs.get("past_key_values")
-    if cache is not None and cache.get_seq_length() > 0:
-        raise NotImplementedError(
-            "Continuing from a filled past_key_values is not supported by hf_specdec yet: pass the full prompt instead."
         )
     unknown = sorted(set(model_kwargs) - HANDLED_MODEL_KWARGS)
     if unknown:
