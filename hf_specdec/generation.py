@@ -151,6 +151,14 @@ def build_proposer(spec: SpecDecoder, model: PreTrainedModel) -> Top1Proposer:
         check_draft_model(model, spec.draft_model)
         threshold = spec.draft_confidence_threshold
         inner = DraftModelProposer(spec.draft_model, k, ConfidenceThreshold(threshold) if threshold else None)
+    elif spec.method == "early_exit":
+        from hf_specdec.proposers.early_exit import EarlyExitProposer
+        from hf_specdec.schedules import ConfidenceThreshold
+
+        threshold = spec.draft_confidence_threshold
+        inner = EarlyExitProposer(
+            model, spec.early_exit_layers, k, ConfidenceThreshold(threshold) if threshold else None
+        )
     elif spec.method == "mtp":
         from hf_specdec.proposers.mtp import MTPProposer, resolve_mtp_model
 
@@ -168,9 +176,11 @@ def _build_schedule(spec: SpecDecoder, model: PreTrainedModel, inner: Proposer) 
     if schedule == "adaptive":
         from hf_specdec.adaptive import AdaptiveSchedule
 
-        key = {"draft": f"draft:{id(spec.draft_model)}", "mtp": "mtp"}.get(
-            spec.method, f"ngram:{spec.prompt_lookup_min}-{spec.prompt_lookup_max}"
-        )
+        key = {
+            "draft": f"draft:{id(spec.draft_model)}",
+            "mtp": "mtp",
+            "early_exit": f"exit:{spec.early_exit_layers}",
+        }.get(spec.method, f"ngram:{spec.prompt_lookup_min}-{spec.prompt_lookup_max}")
         return AdaptiveSchedule(spec.num_speculative_tokens, model, key, propose_first=inner.proposes_cheaply)
     if schedule.startswith("heuristic"):
 

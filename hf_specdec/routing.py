@@ -1,7 +1,7 @@
 """`install()` / `uninstall()`: the opt-in hook that routes transformers' own speculation arguments to hf_specdec.
 
-`install()` wraps `GenerationMixin.generate` so that `spec_decoder=`, `assistant_model=`, `prompt_lookup_num_tokens=`
-and `use_mtp=` run through `hf_specdec.generate` (with `streamer`, `tokenizer` and `stop_strings` forwarded, which
+`install()` wraps `GenerationMixin.generate` so that `spec_decoder=`, `assistant_model=`, `prompt_lookup_num_tokens=`,
+`use_mtp=` and `assistant_early_exit=` run through `hf_specdec.generate` (with `streamer`, `tokenizer` and `stop_strings` forwarded, which
 transformers does not pass to custom decoders); every other call is left exactly as it is. `uninstall()` puts the
 original back.
 """
@@ -72,12 +72,24 @@ def _spec_from_kwargs(model: PreTrainedModel, kwargs: dict[str, Any]) -> SpecDec
     assistant = kwargs.pop("assistant_model", None)
     lookup = kwargs.pop("prompt_lookup_num_tokens", None) or getattr(config, "prompt_lookup_num_tokens", None)
     use_mtp = kwargs.pop("use_mtp", None) or getattr(config, "use_mtp", None)
+    early_exit = kwargs.pop("assistant_early_exit", None)
+    early_exit = early_exit if early_exit is not None else getattr(config, "assistant_early_exit", None)
     if spec is not None:
-        if assistant is not None or lookup or use_mtp:
+        if assistant is not None or lookup or use_mtp or early_exit is not None:
             raise ValueError(
-                "Pass either spec_decoder= or assistant_model=/prompt_lookup_num_tokens=/use_mtp=, not both."
+                "Pass either spec_decoder= or assistant_model=/prompt_lookup_num_tokens=/use_mtp=/"
+                "assistant_early_exit=, not both."
             )
         return spec
+    if early_exit is not None:  # HF's precedence: early exit first, drafting with the target itself
+        knobs = {name: _assistant_knob(name, kwargs, config, model) for name in HF_ASSISTANT_DEFAULTS}
+        return SpecDecoder(
+            method="early_exit",
+            early_exit_layers=early_exit,
+            num_speculative_tokens=min(int(knobs["num_assistant_tokens"]), MAX_SPECULATIVE_TOKENS),
+            num_speculative_tokens_schedule=knobs["num_assistant_tokens_schedule"],
+            draft_confidence_threshold=float(knobs["assistant_confidence_threshold"]) or None,
+        )
     if use_mtp:
         # HF drafts one token per MTP layer; num_assistant_tokens= asks for more (the layers then cycle).
         from hf_specdec.proposers.mtp import check_mtp_target

@@ -71,8 +71,12 @@ class DraftModelProposer(Proposer):
     def returns_probs(self) -> bool:  # type: ignore[override]
         return True
 
+    def new_view(self, batch: RaggedBatch) -> CacheView:
+        """The draft's cache over the batch (early exit runs a truncated target through its own view)."""
+        return CacheView(self.draft_model, batch.batch_size, batch.pad_lengths)
+
     def prefill(self, batch: RaggedBatch, sampling: StepSampling) -> None:
-        self.view = CacheView(self.draft_model, batch.batch_size, batch.pad_lengths)
+        self.view = self.new_view(batch)
         num_new = batch.lengths - 1  # [B]
         if self.max_positions is not None:
             # A row that is already at the draft's position limit can never draft: the draft never sees it.

@@ -4,7 +4,7 @@ A tiny model with a 12-token vocabulary makes the joint table of (t1, t2, t3) sm
 law p(t1) p(t2 | t1) p(t3 | t1, t2) comes from the target's own processed scores (plain `generate` with
 `output_scores`), and 20 000 speculative samples (one seeded call, the same prompt on every row) are checked
 against it with a chi-square goodness-of-fit test. Step 0, whose verify is the prefill, checks drafts made from
-the prompt. Configs cover a draft model (draft probabilities), n-gram (one-hot drafts),
+the prompt. Configs cover a draft model (draft probabilities), early exit (the target's first layer drafts), n-gram (one-hot drafts),
 temperature / top-k / top-p and repetition penalty (scores that depend on each position's prefix), EOS inside
 the verified block, and t1..t3 as accepted drafts, recovered tokens, a bonus token or the next step's token.
 A negative control shows the statistic rejects a slightly wrong law (another temperature) on the same samples.
@@ -43,6 +43,9 @@ CONFIGS = {
         method="draft",
         k=1,
         sampling=dict(temperature=1.1, repetition_penalty=1.8, top_k=None, top_p=0.9),
+    ),
+    "early-exit-temperature-topk": dict(
+        prompt="eos_likely", method="early_exit", k=2, sampling=dict(temperature=0.9, top_k=8)
     ),
 }
 
@@ -119,6 +122,8 @@ def test_first_tokens_follow_the_target_law(target, draft, name):
     sampling = config["sampling"]
     if config["method"] == "draft":
         spec = hf_specdec.SpecDecoder(draft_model=draft, num_speculative_tokens=config["k"], seed=1234)
+    elif config["method"] == "early_exit":  # the first of the target's two layers drafts
+        spec = hf_specdec.SpecDecoder(early_exit_layers=1, num_speculative_tokens=config["k"], seed=1234)
     else:
         spec = hf_specdec.SpecDecoder(
             method="ngram", num_speculative_tokens=config["k"], prompt_lookup_max=3, seed=1234
