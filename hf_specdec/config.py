@@ -31,6 +31,10 @@ class SpecDecoder:
         draft_model (`PreTrainedModel`, *optional*):
             The draft model for `method="draft"`. It must have the target's vocabulary and sit on the
             target's device.
+        draft_tokenizer (`PreTrainedTokenizerBase`, *optional*):
+            The draft model's tokenizer when it differs from the target's (HF's `assistant_tokenizer`: universal
+            assisted generation). Drafts are translated through text; the target's tokenizer must be given too
+            (`tokenizer=` here, or the call's `tokenizer=` after `install()`). Greedy and sampling stay exact.
         mtp_model (`MtpModel`, *optional*):
             The MTP layers for `method="mtp"` (`transformers.modeling_layers.MtpModel`). By default they are
             loaded once from the target's checkpoint with `MtpModel.from_pretrained(target)` and reused.
@@ -79,6 +83,7 @@ class SpecDecoder:
 
     method: str | None = None
     draft_model: Any = None
+    draft_tokenizer: Any = None
     mtp_model: Any = None
     early_exit_layers: int | None = None
     num_speculative_tokens: int = 5
@@ -115,6 +120,17 @@ class SpecDecoder:
                 "drop draft_model, or use method='draft'."
             )
         self._check_early_exit()
+        if self.draft_tokenizer is not None:
+            if self.method != "draft":
+                raise ValueError(
+                    f"SpecDecoder(method={self.method!r}) was also given a draft_tokenizer, which only method='draft' "
+                    "uses: drop draft_tokenizer, or pass draft_model= as well."
+                )
+            if self.draft_confidence_threshold:
+                raise ValueError(
+                    f"draft_confidence_threshold={self.draft_confidence_threshold} does not apply to a draft with "
+                    "another tokenizer (its probabilities are over another vocabulary): drop it."
+                )
         k = self.num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(
@@ -195,12 +211,12 @@ class SpecDecoder:
 
     def to_dict(self) -> dict[str, Any]:
         """The serialisable settings (model, tokenizer and streamer objects are left out)."""
-        skip = {"draft_model", "mtp_model", "tokenizer", "streamer", "last_stats"}
+        skip = {"draft_model", "draft_tokenizer", "mtp_model", "tokenizer", "streamer", "last_stats"}
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], **objects: Any) -> SpecDecoder:
-        """Inverse of `to_dict`; pass `draft_model=`, `mtp_model=`, `tokenizer=`, `streamer=` as keyword arguments."""
+        """Inverse of `to_dict`; pass `draft_model=`, `draft_tokenizer=`, `mtp_model=`, `tokenizer=`, `streamer=` as keyword arguments."""
         known = {f.name for f in fields(cls) if f.init}
         unknown = set(data) - known
         if unknown:

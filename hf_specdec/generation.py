@@ -89,7 +89,7 @@ def generate(
     )
     loop = SpeculativeLoop(
         model=model,
-        proposer=build_proposer(spec, model),
+        proposer=build_proposer(spec, model, tokenizer),
         batch=batch,
         sampling=sampling,
         stop_rules=stop_rules,
@@ -136,7 +136,7 @@ def build_handoff(
     return CacheHandoff(cache, past)
 
 
-def build_proposer(spec: SpecDecoder, model: PreTrainedModel) -> Top1Proposer:
+def build_proposer(spec: SpecDecoder, model: PreTrainedModel, tokenizer: Any = None) -> Top1Proposer:
     """The proposer that `spec` describes, checked against the target model.
 
     It is always wrapped in a `Top1Proposer`, the one place where per-row draft budgets are decided (the draft's
@@ -144,7 +144,11 @@ def build_proposer(spec: SpecDecoder, model: PreTrainedModel) -> Top1Proposer:
     """
     k = spec.max_speculative_tokens
     inner: Proposer
-    if spec.method == "draft":
+    if spec.method == "draft" and spec.draft_tokenizer is not None:
+        from hf_specdec.proposers.cross_tokenizer import CrossTokenizerProposer
+
+        inner = CrossTokenizerProposer(spec.draft_model, tokenizer, spec.draft_tokenizer, k)
+    elif spec.method == "draft":
         from hf_specdec.proposers.draft_model import DraftModelProposer, check_draft_model
         from hf_specdec.schedules import ConfidenceThreshold
 

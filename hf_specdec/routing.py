@@ -74,6 +74,11 @@ def _spec_from_kwargs(model: PreTrainedModel, kwargs: dict[str, Any]) -> SpecDec
     use_mtp = kwargs.pop("use_mtp", None) or getattr(config, "use_mtp", None)
     early_exit = kwargs.pop("assistant_early_exit", None)
     early_exit = early_exit if early_exit is not None else getattr(config, "assistant_early_exit", None)
+    if kwargs.get("assistant_tokenizer") is not None and kwargs.get("tokenizer") is None:
+        raise ValueError(
+            "assistant_tokenizer= was passed without tokenizer=: a draft with another tokenizer needs the target's "
+            "tokenizer too (tokenizer=...), as in transformers."
+        )
     if spec is not None:
         if assistant is not None or lookup or use_mtp or early_exit is not None:
             raise ValueError(
@@ -98,8 +103,14 @@ def _spec_from_kwargs(model: PreTrainedModel, kwargs: dict[str, Any]) -> SpecDec
         return SpecDecoder(method="mtp", num_speculative_tokens=min(int(k), MAX_SPECULATIVE_TOKENS))
     if assistant is not None:
         knobs = {name: _assistant_knob(name, kwargs, config, assistant) for name in HF_ASSISTANT_DEFAULTS}
+        # HF's universal assisted generation: another tokenizer when both tokenizers are given (drafts go through
+        # text; no confidence threshold, as the draft's probabilities are over another vocabulary).
+        draft_tokenizer = kwargs.pop("assistant_tokenizer", None) if kwargs.get("tokenizer") is not None else None
+        if draft_tokenizer is not None:
+            knobs["assistant_confidence_threshold"] = 0
         return SpecDecoder(
             draft_model=assistant,
+            draft_tokenizer=draft_tokenizer,
             num_speculative_tokens=min(int(knobs["num_assistant_tokens"]), MAX_SPECULATIVE_TOKENS),
             num_speculative_tokens_schedule=knobs["num_assistant_tokens_schedule"],
             draft_confidence_threshold=float(knobs["assistant_confidence_threshold"]) or None,

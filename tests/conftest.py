@@ -172,3 +172,41 @@ def make_tokenizer(vocab: int = VOCAB, padding_side: str = "left"):
         padding_side=padding_side,
         clean_up_tokenization_spaces=False,
     )
+
+
+#: A small English corpus for the tiny BPE tokenizers (`make_bpe_tokenizer`).
+BPE_CORPUS = [
+    "the cat sat on the mat and the dog sat on the log",
+    "a quick brown fox jumps over the lazy dog near the river bank",
+    "speculative decoding drafts tokens that the target model then verifies in one forward pass",
+    "she sells sea shells on the sea shore and the shells she sells are surely sea shells",
+    "to be or not to be that is the question whether tis nobler in the mind to suffer",
+    "numbers like 12 34 56 and 789 appear in text now and then",
+]
+
+
+def make_bpe_tokenizer(vocab_size: int, padding_side: str = "left"):
+    """A real BPE tokenizer trained in-process on `BPE_CORPUS` (no download): ids 0-2 are pad, bos, eos.
+
+    Different `vocab_size`s give different merges, so two of them tokenize the same text differently.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE(unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="never")
+    backend.decoder = decoders.Metaspace(prepend_scheme="never")
+    alphabet = list("abcdefghijklmnopqrstuvwxyz0123456789")
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>", "<unk>"], initial_alphabet=alphabet
+    )
+    backend.train_from_iterator(BPE_CORPUS * 4, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        padding_side=padding_side,
+        clean_up_tokenization_spaces=False,
+    )
