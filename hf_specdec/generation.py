@@ -249,7 +249,8 @@ def _check_call(
         raise NotImplementedError(
             f"output_attentions={config.output_attentions} / output_hidden_states={config.output_hidden_states} "
             "were requested, which hf_specdec does not return (see docs/usage.md): drop them, and if you need them run "
-            "one forward over the result, model(out.sequences, attention_mask=..., output_hidden_states=True), which "
+            "one forward over the result, model(out.sequences, attention_mask=..., position_ids=..., "
+            "output_hidden_states=True), which "
             "gives plain decoding's values for every token in one pass (output_scores / output_logits are supported)."
         )
     if config.cache_implementation not in (None, "dynamic"):
