@@ -10,6 +10,7 @@ the token rows as plain `generate` would lay them out, plus the per-token scores
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +51,7 @@ class SpeculativeLoop:
         output_scores: bool,
         output_logits: bool,
         handoff: CacheHandoff | None = None,
+        view_factory: Callable[[PreTrainedModel, RaggedBatch], CacheView] | None = None,
     ) -> None:
         self.model = model
         self.proposer = proposer
@@ -60,7 +62,10 @@ class SpeculativeLoop:
         self.max_length = max_length
         self.streamer = streamer
         self.stats = SpecDecodeStats()
-        self.target = CacheView(model, batch.batch_size, batch.pad_lengths)
+        # An encoder-decoder target's view also feeds the encoder output (`hf_specdec.seq2seq`).
+        self.target = (
+            view_factory(model, batch) if view_factory else CacheView(model, batch.batch_size, batch.pad_lengths)
+        )
         self.handoff = handoff  # adopts a filled past_key_values; keeps leaving rows' caches to hand back
         if handoff is not None:
             handoff.adopt(self.target)

@@ -15,7 +15,7 @@ import torch
 from transformers import DynamicCache, GenerationConfig, PreTrainedModel
 from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
-from transformers.generation.utils import GenerateDecoderOnlyOutput
+from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput
 
 from hf_specdec.batch import RaggedBatch
 from hf_specdec.config import SpecDecoder
@@ -30,7 +30,14 @@ from hf_specdec.schedules import HeuristicSchedule, SpeculationSchedule
 from hf_specdec.stopping import StopRules
 
 #: model_kwargs that `generate` prepares and this package handles itself.
-HANDLED_MODEL_KWARGS = {"attention_mask", "position_ids", "past_key_values", "use_cache", "logits_to_keep"}
+HANDLED_MODEL_KWARGS = {
+    "attention_mask",
+    "position_ids",
+    "past_key_values",
+    "use_cache",
+    "logits_to_keep",
+    "encoder_outputs",  # encoder-decoder targets: generate ran the encoder (`hf_specdec.seq2seq`)
+}
 
 
 @dataclass
@@ -38,6 +45,22 @@ class SpecDecodeOutput(GenerateDecoderOnlyOutput):
     """`GenerateDecoderOnlyOutput` plus the call's speculative-decoding statistics."""
 
     spec_stats: SpecDecodeStats | None = None
+
+
+@dataclass
+class SpecDecodeEncoderDecoderOutput(GenerateEncoderDecoderOutput):
+    """`GenerateEncoderDecoderOutput` plus the call's speculative-decoding statistics."""
+
+    spec_stats: SpecDecodeStats | None = None
+
+
+def _seq2seq_views(encoder: Any):  # noqa: ANN202
+    """The CacheView factory of an encoder-decoder call (None: the loop's plain CacheView)."""
+    if encoder is None:
+        return None
+    from hf_specdec.seq2seq import Seq2SeqCacheView
+
+    return lambda model, batch: Seq2SeqCacheView(model, batch.batch_size, batch.pad_lengths, encoder)
 
 
 def generate(
@@ -74,9 +97,16 @@ def generate(
     if streamer is not None:
         streamer.put(input_ids.cpu())
 
+    encoder = None
+    decoder_mask = model_kwargs.get("attention_mask")
+    if model.config.is_encoder_decoder:  # generate ran the encoder; its attention_mask is the encoder's
+        from hf_specdec.seq2seq import check_seq2seq_target, encoder_state
+
+        check_seq2seq_target(model, input_ids.shape[0], spec.method)
+        encoder, decoder_mask = encoder_state(model_kwargs), None
     handoff = build_handoff(model, spec, input_ids, generation_config, model_kwargs.get("past_key_values"))
     batch = RaggedBatch.from_prompts(
-        input_ids, model_kwargs.get("attention_mask"), generation_config.max_length + spec.max_speculative_tokens + 1
+        input_ids, decoder_mask, generation_config.max_length + spec.max_speculative_tokens + 1
     )
     seeds = row_seeds(spec.seed, batch.batch_size).to(batch.device)
     sampling = StepSampling(processors=logits_processor, do_sample=bool(generation_config.do_sample), seeds=seeds)
@@ -89,7 +119,7 @@ def generate(
     )
     loop = SpeculativeLoop(
         model=model,
-        proposer=build_proposer(spec, model, tokenizer),
+        proposer=build_proposer(spec, model, tokenizer, encoder),
         batch=batch,
         sampling=sampling,
         stop_rules=stop_rules,
@@ -99,10 +129,15 @@ def generate(
         output_scores=bool(generation_config.return_dict_in_generate and generation_config.output_scores),
         output_logits=bool(generation_config.return_dict_in_generate and generation_config.output_logits),
         handoff=handoff,
+        view_factory=_seq2seq_views(encoder),
     )
     result = loop.run()
     loop.proposer.finish()
     spec.last_stats = loop.stats
+    if generation_config.return_dict_in_generate and encoder is not None:
+        return SpecDecodeEncoderDecoderOutput(
+            sequences=result.sequences, scores=result.scores, logits=result.logits, spec_stats=loop.stats
+        )
     if generation_config.return_dict_in_generate:
         return SpecDecodeOutput(
             sequences=result.sequences,
@@ -119,6 +154,13 @@ def build_handoff(
 ) -> CacheHandoff | None:
     """The cache handoff of this call: adopt a filled `past_key_values`, and fill the caller's cache (or the one a
     `return_dict_in_generate` output carries) like plain decoding; None when nobody will see the cache."""
+    if model.config.is_encoder_decoder:
+        if cache is not None and cache.get_seq_length() > 0:
+            raise NotImplementedError(
+                "Continuing a filled past_key_values is supported for decoder-only targets only: pass the whole "
+                f"decoder prompt to {type(model).__name__} without past_key_values."
+            )
+        return None  # the returned output carries no cache (the EncoderDecoderCache is not handed back)
     if cache is None:
         if not config.return_dict_in_generate:
             return None
@@ -136,7 +178,9 @@ def build_handoff(
     return CacheHandoff(cache, past)
 
 
-def build_proposer(spec: SpecDecoder, model: PreTrainedModel, tokenizer: Any = None) -> Top1Proposer:
+def build_proposer(
+    spec: SpecDecoder, model: PreTrainedModel, tokenizer: Any = None, encoder: Any = None
+) -> Top1Proposer:
     """The proposer that `spec` describes, checked against the target model.
 
     It is always wrapped in a `Top1Proposer`, the one place where per-row draft budgets are decided (the draft's
@@ -145,6 +189,11 @@ def build_proposer(spec: SpecDecoder, model: PreTrainedModel, tokenizer: Any = N
     k = spec.max_speculative_tokens
     inner: Proposer
     if spec.method == "draft" and spec.draft_tokenizer is not None:
+        if encoder is not None:
+            raise NotImplementedError(
+                "A draft with another tokenizer is not supported for encoder-decoder targets: use a draft sharing "
+                "the target's tokenizer, or prompt_lookup_num_tokens."
+            )
         from hf_specdec.proposers.cross_tokenizer import CrossTokenizerProposer
 
         inner = CrossTokenizerProposer(spec.draft_model, tokenizer, spec.draft_tokenizer, k)
@@ -155,6 +204,11 @@ def build_proposer(spec: SpecDecoder, model: PreTrainedModel, tokenizer: Any = N
         check_draft_model(model, spec.draft_model)
         threshold = spec.draft_confidence_threshold
         inner = DraftModelProposer(spec.draft_model, k, ConfidenceThreshold(threshold) if threshold else None)
+        if encoder is not None:  # the draft cross-attends to the target's encoder output
+            from hf_specdec.seq2seq import check_seq2seq_draft
+
+            check_seq2seq_draft(model, spec.draft_model, encoder.hidden.shape[-1])
+            inner.view_factory = _seq2seq_views(encoder)
     elif spec.method == "early_exit":
         from hf_specdec.proposers.early_exit import EarlyExitProposer
         from hf_specdec.schedules import ConfidenceThreshold
@@ -234,11 +288,6 @@ def _check_call(
     model: PreTrainedModel, input_ids: torch.Tensor, config: GenerationConfig, model_kwargs: dict[str, Any]
 ) -> None:
     """Raise a clear error for every generate setting this package does not support."""
-    if model.config.is_encoder_decoder:
-        raise NotImplementedError(
-            f"{type(model).__name__} is an encoder-decoder model; hf_specdec supports decoder-only targets for now. "
-            "Call generate without spec_decoder/custom_generate for this model."
-        )
     if config.num_beams is not None and config.num_beams > 1:
         raise ValueError(
             f"Speculative decoding does not combine with beam search (num_beams={config.num_beams}): pass num_beams=1."

@@ -210,3 +210,84 @@ def make_bpe_tokenizer(vocab_size: int, padding_side: str = "left"):
         padding_side=padding_side,
         clean_up_tokenization_spaces=False,
     )
+
+
+def make_whisper(seed: int = 0, decoder_layers: int = 2, causal: bool = False, d_model: int = 32):
+    """A tiny random Whisper (8 mel bins, 16 frames after the conv stride), or its decoder as `WhisperForCausalLM`.
+
+    Its generation_config knows two languages, two tasks and timestamp tokens 81..95 (no-timestamps id 80).
+    """
+    from transformers import WhisperConfig, WhisperForCausalLM, WhisperForConditionalGeneration
+
+    config = WhisperConfig(
+        vocab_size=VOCAB,
+        num_mel_bins=8,
+        encoder_layers=1,
+        decoder_layers=decoder_layers,
+        d_model=d_model,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=2 * d_model,
+        decoder_ffn_dim=2 * d_model,
+        max_source_positions=16,
+        max_target_positions=64,
+        pad_token_id=PAD_ID,
+        bos_token_id=1,
+        eos_token_id=EOS_ID,
+        decoder_start_token_id=1,
+        begin_suppress_tokens=None,
+        suppress_tokens=None,
+        init_std=0.4,
+    )
+    torch.manual_seed(seed)
+    model = (WhisperForCausalLM if causal else WhisperForConditionalGeneration)(config).eval()
+    generation = model.generation_config
+    generation.no_timestamps_token_id = 80
+    generation.lang_to_id = {"<|en|>": 70, "<|fr|>": 71}
+    generation.task_to_id = {"transcribe": 72, "translate": 73}
+    generation.is_multilingual = True
+    generation.max_initial_timestamp_index = 5
+    return model
+
+
+def make_seq2seq(arch: str, seed: int = 0, decoder_layers: int = 2):
+    """A tiny random BART or T5 (encoder-decoder text models whose decoders take no position ids)."""
+    from transformers import BartConfig, BartForConditionalGeneration, T5Config, T5ForConditionalGeneration
+
+    if arch == "bart":
+        config = BartConfig(
+            vocab_size=VOCAB,
+            d_model=32,
+            encoder_layers=1,
+            decoder_layers=decoder_layers,
+            encoder_attention_heads=2,
+            decoder_attention_heads=2,
+            encoder_ffn_dim=64,
+            decoder_ffn_dim=64,
+            max_position_embeddings=64,
+            pad_token_id=PAD_ID,
+            bos_token_id=1,
+            eos_token_id=EOS_ID,
+            decoder_start_token_id=EOS_ID,
+            forced_bos_token_id=None,
+            forced_eos_token_id=None,
+            init_std=0.4,
+        )
+        cls = BartForConditionalGeneration
+    else:
+        config = T5Config(
+            vocab_size=VOCAB,
+            d_model=32,
+            d_kv=8,
+            d_ff=64,
+            num_layers=decoder_layers,
+            num_decoder_layers=decoder_layers,
+            num_heads=4,
+            pad_token_id=PAD_ID,
+            eos_token_id=EOS_ID,
+            decoder_start_token_id=PAD_ID,
+            initializer_factor=4.0,
+        )
+        cls = T5ForConditionalGeneration
+    torch.manual_seed(seed)
+    return cls(config).eval()

@@ -11,6 +11,7 @@ draft's position limit: its prefill skips rows already past it, and `Top1Propose
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,7 +37,7 @@ def output_vocab_size(model: PreTrainedModel) -> int:
 
 def check_draft_model(target: PreTrainedModel, draft: PreTrainedModel) -> None:
     """Raise a clear error when the draft cannot serve this target."""
-    if draft.config.is_encoder_decoder:
+    if draft.config.is_encoder_decoder and not target.config.is_encoder_decoder:
         raise ValueError(f"The draft model {type(draft).__name__} is an encoder-decoder; use a decoder-only draft.")
     target_vocab, draft_vocab = output_vocab_size(target), output_vocab_size(draft)
     if target_vocab != draft_vocab:
@@ -65,6 +66,8 @@ class DraftModelProposer(Proposer):
         self.confidence_threshold = confidence_threshold
         self.max_positions = draft_position_limit(draft_model)
         self.view: CacheView | None = None
+        #: builds the draft's view (an encoder-decoder target's drafts cross-attend to its encoder output)
+        self.view_factory: Callable[[PreTrainedModel, RaggedBatch], CacheView] | None = None
         self._drafted_probs: torch.Tensor | None = None  # [B, k] draft probability of each drafted token
 
     @property
@@ -73,6 +76,8 @@ class DraftModelProposer(Proposer):
 
     def new_view(self, batch: RaggedBatch) -> CacheView:
         """The draft's cache over the batch (early exit runs a truncated target through its own view)."""
+        if self.view_factory is not None:
+            return self.view_factory(self.draft_model, batch)
         return CacheView(self.draft_model, batch.batch_size, batch.pad_lengths)
 
     def prefill(self, batch: RaggedBatch, sampling: StepSampling) -> None:
