@@ -84,6 +84,7 @@ def generate(
     """
     spec = _check_spec_decoder(spec_decoder)
     _check_call(model, input_ids, generation_config, model_kwargs)
+    check_speculation_type(getattr(generation_config, "speculation_type", None))
     streamer = spec_streamer if spec_streamer is not None else spec.streamer
     tokenizer = spec_tokenizer if spec_tokenizer is not None else spec.tokenizer
     if spec_stop_strings is not None:
@@ -268,6 +269,16 @@ def row_seeds(seed: int | list[int] | None, batch_size: int) -> torch.Tensor:  #
             "(num_return_sequences included): pass one seed per row, or a single int (row i then uses seed + i)."
         )
     return torch.tensor(seed, dtype=torch.long)
+
+
+def check_speculation_type(speculation_type: Any) -> None:
+    """Raise for transformers' `speculation_type` values (DFlash) that hf_specdec does not run."""
+    if speculation_type is not None:
+        raise NotImplementedError(
+            f"speculation_type={speculation_type!r} (DFlash block drafting) is not supported by hf_specdec yet. "
+            "Supported: a causal LM draft (same or another tokenizer), prompt lookup, MTP layers, early exit; for "
+            "DFlash call hf_specdec.uninstall() and use transformers' own (batch 1) assisted decoding."
+        )
 
 
 def _check_spec_decoder(spec_decoder: Any) -> SpecDecoder:

@@ -14,7 +14,7 @@ from typing import Any
 from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 
 from hf_specdec.config import MAX_SPECULATIVE_TOKENS, SpecDecoder
-from hf_specdec.generation import generate
+from hf_specdec.generation import check_speculation_type, generate
 
 _original_generate = None
 
@@ -79,6 +79,7 @@ def _spec_from_kwargs(model: PreTrainedModel, kwargs: dict[str, Any]) -> SpecDec
             "assistant_tokenizer= was passed without tokenizer=: a draft with another tokenizer needs the target's "
             "tokenizer too (tokenizer=...), as in transformers."
         )
+    check_speculation_type(kwargs.get("speculation_type") or getattr(config, "speculation_type", None))
     if spec is not None:
         if assistant is not None or lookup or use_mtp or early_exit is not None:
             raise ValueError(

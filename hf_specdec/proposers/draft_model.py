@@ -37,6 +37,12 @@ def output_vocab_size(model: PreTrainedModel) -> int:
 
 def check_draft_model(target: PreTrainedModel, draft: PreTrainedModel) -> None:
     """Raise a clear error when the draft cannot serve this target."""
+    if type(draft).__name__.startswith(("Gemma4Assistant", "Gemma4UnifiedAssistant")):
+        raise NotImplementedError(
+            f"{type(draft).__name__} drafts from the target's shared KV states, which hf_specdec does not support "
+            "yet. Supported: a causal LM draft (same or another tokenizer), prompt lookup, MTP layers, early exit; "
+            "for this assistant call hf_specdec.uninstall() and use transformers' own (batch 1) assisted decoding."
+        )
     if draft.config.is_encoder_decoder and not target.config.is_encoder_decoder:
         raise ValueError(f"The draft model {type(draft).__name__} is an encoder-decoder; use a decoder-only draft.")
     target_vocab, draft_vocab = output_vocab_size(target), output_vocab_size(draft)
