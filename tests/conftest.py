@@ -291,3 +291,21 @@ def make_seq2seq(arch: str, seed: int = 0, decoder_layers: int = 2):
         cls = T5ForConditionalGeneration
     torch.manual_seed(seed)
     return cls(config).eval()
+
+
+def make_word_tokenizer(words: list[str], padding_side: str = "left"):
+    """A real word-level tokenizer (no download): ids 0-2 are pad, bos, eos, then `words` in order."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["<pad>", "<s>", "</s>", *words])}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="</s>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        padding_side=padding_side,
+        clean_up_tokenization_spaces=False,
+    )
