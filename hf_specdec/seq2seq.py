@@ -6,7 +6,9 @@ decoder with that encoder output, an `EncoderDecoderCache` (the cross-attention 
 follows row selection; the self-attention half follows the column map) and explicit 4-D decoder masks and
 position ids. A draft shares the target's encoder output: a decoder-only draft with cross-attention
 (distil-whisper's `WhisperForCausalLM`), or a smaller encoder-decoder whose decoder reads the same encoder states.
-Decoders that take no position ids (BART, T5, Marian) cannot skip holes, so they are accepted at batch 1 only.
+Decoders without a position-ids input but with an absolute position table that takes `position_ids` (BART,
+mBART, Marian, Pegasus) get each row's positions through a forward hook on that table (`RowPositions`); others
+(T5's relative bias, M2M100) cannot skip holes, so they are accepted at batch 1 only.
 """
 
 from __future__ import annotations
@@ -51,6 +53,54 @@ def takes_position_ids(model: PreTrainedModel) -> bool:
     return decoder is not None and "position_ids" in inspect.signature(decoder.forward).parameters
 
 
+def position_table(model: PreTrainedModel) -> torch.nn.Module | None:
+    """The decoder's absolute position table if it takes `position_ids` (BART, Marian, ...), else None."""
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if get_decoder is not None else None
+    table = getattr(decoder, "embed_positions", None)
+    if not isinstance(table, torch.nn.Module):
+        return None
+    return table if "position_ids" in inspect.signature(table.forward).parameters else None
+
+
+def positions_supported(model: PreTrainedModel) -> bool:
+    """Whether each row can get its own decoder positions (so the cache may hold holes)."""
+    return takes_position_ids(model) or position_table(model) is not None
+
+
+class RowPositions:
+    """A forward hook on a decoder's position table: its output becomes each row's own positions' embeddings.
+
+    Such decoders compute one position range from the cache width for all rows; the hook calls the table once per
+    row with that row's position ids (the table's own lookup, so the values are exactly what plain decoding adds).
+    """
+
+    def __init__(self, table: torch.nn.Module) -> None:
+        self.table = table
+        self.position_ids: torch.Tensor | None = None  # [B, w] for the forward under way
+        self.fired = False
+
+    def __call__(self, module, args, kwargs, output):  # noqa: ANN001, ANN204
+        rows = [module.forward(*args, **{**kwargs, "position_ids": ids}) for ids in self.position_ids]
+        width, hidden = self.position_ids.shape[1], rows[0].shape[-1]
+        self.fired = True
+        return torch.stack([r.reshape(width, hidden) for r in rows])  # [B, w, H]
+
+    def run(self, forward, position_ids: torch.Tensor):  # noqa: ANN001, ANN201
+        self.position_ids, self.fired = position_ids, False
+        handle = self.table.register_forward_hook(self, with_kwargs=True)
+        try:
+            outputs = forward()
+        finally:
+            handle.remove()
+        if not self.fired:
+            raise NotImplementedError(
+                f"The decoder's position table ({type(self.table).__name__}) was not called as hf_specdec expects, "
+                "so per-row positions cannot be set: speculate at batch 1 for this model."
+            )
+        return outputs
+
+
 def check_seq2seq_target(model: PreTrainedModel, batch_size: int, spec_method: str) -> None:
     """Raise a clear error for encoder-decoder calls this package cannot run exactly."""
     if spec_method not in ("draft", "ngram"):
@@ -58,11 +108,11 @@ def check_seq2seq_target(model: PreTrainedModel, batch_size: int, spec_method: s
             f"method={spec_method!r} is not supported for encoder-decoder targets ({type(model).__name__}): use an "
             "assistant_model (a smaller model reading the same encoder output) or prompt_lookup_num_tokens."
         )
-    if batch_size > 1 and not takes_position_ids(model):
+    if batch_size > 1 and not positions_supported(model):
         raise NotImplementedError(
             f"{type(model).__name__}'s decoder takes no position ids, which hf_specdec needs to keep ragged rows "
             f"exact, so it speculates at batch 1 only (got {batch_size} rows): generate row by row, or without "
-            "speculation. Whisper is supported at any batch size."
+            "speculation. Whisper, BART, mBART, Marian and Pegasus are supported at any batch size."
         )
 
 
@@ -92,10 +142,19 @@ class Seq2SeqCacheView(CacheView):
         self.cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
         self.encoder = encoder
         self.position_ids = takes_position_ids(model)
-        if not self.position_ids and not self.aligned:
+        table = None if self.position_ids else position_table(model)
+        self.row_positions = RowPositions(table) if table is not None and not self.aligned else None
+        if not self.position_ids and self.row_positions is None and not self.aligned:
             raise NotImplementedError(f"{type(model).__name__} takes no position ids: batch 1 without padding only.")
 
     def run_model(self, input_ids, mask, position_ids, logits_to_keep):  # noqa: ANN001, ANN201
+        if self.row_positions is not None:
+            return self.row_positions.run(
+                lambda: self._run(input_ids, mask, position_ids, logits_to_keep), position_ids
+            )
+        return self._run(input_ids, mask, position_ids, logits_to_keep)
+
+    def _run(self, input_ids, mask, position_ids, logits_to_keep):  # noqa: ANN001, ANN202
         positions = {}
         if self.model.config.is_encoder_decoder:
             if self.position_ids:

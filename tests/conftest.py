@@ -251,10 +251,34 @@ def make_whisper(seed: int = 0, decoder_layers: int = 2, causal: bool = False, d
 
 
 def make_seq2seq(arch: str, seed: int = 0, decoder_layers: int = 2):
-    """A tiny random BART or T5 (encoder-decoder text models whose decoders take no position ids)."""
-    from transformers import BartConfig, BartForConditionalGeneration, T5Config, T5ForConditionalGeneration
+    """A tiny random BART, Marian or T5 (encoder-decoder text models whose decoders take no position ids)."""
+    from transformers import (
+        BartConfig,
+        BartForConditionalGeneration,
+        MarianConfig,
+        MarianMTModel,
+        T5Config,
+        T5ForConditionalGeneration,
+    )
 
-    if arch == "bart":
+    if arch == "marian":
+        config = MarianConfig(
+            vocab_size=VOCAB,
+            d_model=32,
+            encoder_layers=1,
+            decoder_layers=decoder_layers,
+            encoder_attention_heads=2,
+            decoder_attention_heads=2,
+            encoder_ffn_dim=64,
+            decoder_ffn_dim=64,
+            max_position_embeddings=64,
+            pad_token_id=PAD_ID,
+            eos_token_id=EOS_ID,
+            decoder_start_token_id=PAD_ID,
+            init_std=0.4,
+        )
+        cls = MarianMTModel
+    elif arch == "bart":
         config = BartConfig(
             vocab_size=VOCAB,
             d_model=32,
