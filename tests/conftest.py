@@ -250,7 +250,7 @@ def make_whisper(seed: int = 0, decoder_layers: int = 2, causal: bool = False, d
     return model
 
 
-def make_seq2seq(arch: str, seed: int = 0, decoder_layers: int = 2):
+def make_seq2seq(arch: str, seed: int = 0, decoder_layers: int = 2, vocab: int = VOCAB):
     """A tiny random BART, Marian or T5 (encoder-decoder text models whose decoders take no position ids)."""
     from transformers import (
         BartConfig,
@@ -263,7 +263,7 @@ def make_seq2seq(arch: str, seed: int = 0, decoder_layers: int = 2):
 
     if arch == "marian":
         config = MarianConfig(
-            vocab_size=VOCAB,
+            vocab_size=vocab,
             d_model=32,
             encoder_layers=1,
             decoder_layers=decoder_layers,
@@ -275,12 +275,13 @@ def make_seq2seq(arch: str, seed: int = 0, decoder_layers: int = 2):
             pad_token_id=PAD_ID,
             eos_token_id=EOS_ID,
             decoder_start_token_id=PAD_ID,
+            forced_eos_token_id=None,
             init_std=0.4,
         )
         cls = MarianMTModel
     elif arch == "bart":
         config = BartConfig(
-            vocab_size=VOCAB,
+            vocab_size=vocab,
             d_model=32,
             encoder_layers=1,
             decoder_layers=decoder_layers,
@@ -300,7 +301,7 @@ def make_seq2seq(arch: str, seed: int = 0, decoder_layers: int = 2):
         cls = BartForConditionalGeneration
     else:
         config = T5Config(
-            vocab_size=VOCAB,
+            vocab_size=vocab,
             d_model=32,
             d_kv=8,
             d_ff=64,

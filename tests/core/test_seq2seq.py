@@ -148,3 +148,53 @@ def test_unsupported_encoder_decoder_settings_are_refused(whisper):
             past_key_values=out.past_key_values,
             max_new_tokens=4,
         )
+
+
+def test_sampling_keeps_the_target_law_for_an_encoder_decoder():
+    """Marian with a 12-token vocabulary: the first three sampled tokens follow the target's exact joint law."""
+    import importlib.util
+    import itertools
+    from pathlib import Path
+
+    from conftest import make_noisy_copy
+
+    law_module = importlib.util.spec_from_file_location(
+        "sampling_law", Path(__file__).with_name("test_sampling_distribution.py")
+    )
+    law = importlib.util.module_from_spec(law_module)
+    law_module.loader.exec_module(law)
+    vocab, samples, sampling = 12, 20_000, dict(temperature=1.1, top_k=None)
+    target = make_seq2seq("marian", seed=0, vocab=vocab)
+    draft = make_noisy_copy(target, noise=0.5, seed=3)
+    source = torch.tensor([[5, 6, 11, 5, 6, 11, 7]])
+    start = target.generation_config.decoder_start_token_id
+
+    exact = torch.ones(1, dtype=torch.double)
+    for i in range(3):  # p(t1) p(t2 | t1) p(t3 | t1, t2), rows that drew EOS stay finished (pad)
+        prefixes = torch.tensor(list(itertools.product(range(vocab), repeat=i)), dtype=torch.long).reshape(vocab**i, i)
+        decoder = torch.cat([torch.full((len(prefixes), 1), start), prefixes], 1)
+        out = ORIGINAL_GENERATE(
+            target,
+            source.expand(len(prefixes), -1),
+            decoder_input_ids=decoder,
+            max_new_tokens=1,
+            do_sample=True,
+            output_scores=True,
+            return_dict_in_generate=True,
+            **sampling,
+        )
+        step = out.scores[0].double().softmax(-1)
+        finished = (prefixes == 2).any(1)
+        step[finished] = 0.0
+        step[finished, 0] = 1.0
+        exact = (exact[:, None] * step).reshape(-1)
+
+    spec = hf_specdec.SpecDecoder(draft_model=draft, num_speculative_tokens=2, seed=99)
+    out = spec_generate(
+        target, {"input_ids": source.expand(samples, -1)}, spec, max_new_tokens=3, do_sample=True, **sampling
+    )
+    tokens = out[:, 1:4]
+    counts = torch.bincount((tokens * vocab ** torch.arange(2, -1, -1)).sum(1), minlength=vocab**3).double()
+    p_value, tv, impossible = law.goodness_of_fit(counts, exact)
+    assert 0.1 < spec.last_stats.acceptance_rate < 0.95, spec.last_stats
+    assert impossible == 0 and p_value > 1e-3 and tv < 0.05, (p_value, tv)
