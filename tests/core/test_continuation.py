@@ -12,11 +12,12 @@ import copy
 import pytest
 import torch
 from conftest import make_model, make_noisy_copy, make_prompts, spec_generate
-from transformers import DynamicCache
+from transformers import DynamicCache, GenerationMixin
 
 import hf_specdec
 
 MAX_NEW = 10
+ORIGINAL_GENERATE = GenerationMixin.generate
 
 
 def turns(batch_size: int, seed: int) -> list[torch.Tensor]:
@@ -88,17 +89,17 @@ def early_eos(model, inputs) -> int:
 
 @pytest.mark.parametrize("arch", ["llama", "mistral"])
 @pytest.mark.parametrize("batch_size", [1, 3])
-@pytest.mark.parametrize("method", ["draft", "ngram"])
+@pytest.mark.parametrize("method", ["draft", "ngram", "early_exit"])
 def test_three_turn_chat_continues_the_cache_like_plain(arch, batch_size, method):
     target = make_model(arch, seed=0)
     first = make_prompts(batch_size, seed=batch_size, max_len=9)
     later = turns(batch_size, seed=batch_size)
     eos = early_eos(target, first) if batch_size > 1 else 2
-    spec = (
-        hf_specdec.SpecDecoder(draft_model=make_noisy_copy(target, 0.05), num_speculative_tokens=3)
-        if method == "draft"
-        else hf_specdec.SpecDecoder(method="ngram", num_speculative_tokens=3, prompt_lookup_max=2)
-    )
+    spec = {
+        "draft": lambda: hf_specdec.SpecDecoder(draft_model=make_noisy_copy(target, 0.05), num_speculative_tokens=3),
+        "ngram": lambda: hf_specdec.SpecDecoder(method="ngram", num_speculative_tokens=3, prompt_lookup_max=2),
+        "early_exit": lambda: hf_specdec.SpecDecoder(early_exit_layers=1, num_speculative_tokens=3),
+    }[method]()
     config = target.config.get_text_config(decoder=True)
     expected = chat(target, first, later, DynamicCache(config=config), plain, eos)
     got = chat(target, first, later, DynamicCache(config=config), speculative(spec), eos)
@@ -125,6 +126,39 @@ def test_speculation_continues_plain_generates_cache(llama, llama_draft):
     spec = hf_specdec.SpecDecoder(draft_model=llama_draft, num_speculative_tokens=4)
     got = speculative(spec)(llama, inputs, cache, None)
     assert torch.equal(got.sequences, expected.sequences)
+
+
+def test_continuing_a_cache_at_batch_1_equals_hf_stock_assisted(llama, llama_draft):
+    first = make_prompts(1, seed=8)
+    cache = DynamicCache(config=llama.config)
+    out = plain(llama, first, cache, None)
+    new = turns(1, seed=8)[0]
+    inputs = {"input_ids": torch.cat([out.sequences, new], 1)}
+    expected = plain(llama, inputs, copy.deepcopy(cache), None).sequences
+    stock = ORIGINAL_GENERATE(
+        llama,
+        **inputs,
+        past_key_values=copy.deepcopy(cache),
+        assistant_model=llama_draft,
+        max_new_tokens=MAX_NEW,
+        do_sample=False,
+        eos_token_id=None,
+    )
+    hf_specdec.install()
+    try:
+        routed = llama.generate(
+            **inputs,
+            past_key_values=cache,
+            assistant_model=llama_draft,
+            max_new_tokens=MAX_NEW,
+            do_sample=False,
+            eos_token_id=None,
+        )
+    finally:
+        hf_specdec.uninstall()
+    assert torch.equal(stock, expected)
+    assert torch.equal(routed, expected)
+    assert cache.get_seq_length() == expected.shape[1] - 1
 
 
 def test_plain_output_carries_the_cache(llama):
