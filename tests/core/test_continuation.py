@@ -12,12 +12,11 @@ import copy
 import pytest
 import torch
 from conftest import make_model, make_noisy_copy, make_prompts, spec_generate
-from transformers import DynamicCache, GenerationMixin
+from transformers import DynamicCache
 
 import hf_specdec
 
 MAX_NEW = 10
-ORIGINAL_GENERATE = GenerationMixin.generate
 
 
 def turns(batch_size: int, seed: int) -> list[torch.Tensor]:
@@ -128,22 +127,18 @@ def test_speculation_continues_plain_generates_cache(llama, llama_draft):
     assert torch.equal(got.sequences, expected.sequences)
 
 
-def test_continuing_a_cache_at_batch_1_equals_hf_stock_assisted(llama, llama_draft):
+def test_routed_assisted_call_continuing_a_cache_equals_plain(llama, llama_draft):
+    """`assistant_model=` + `past_key_values=` after install() equals plain generate continuing the same cache.
+
+    (transformers 5.23's own assisted decoding and prompt lookup do not: continuing a filled cache they return
+    other tokens than plain decoding here, while without the cache they agree; so stock is not the reference.)
+    """
     first = make_prompts(1, seed=8)
     cache = DynamicCache(config=llama.config)
     out = plain(llama, first, cache, None)
     new = turns(1, seed=8)[0]
     inputs = {"input_ids": torch.cat([out.sequences, new], 1)}
     expected = plain(llama, inputs, copy.deepcopy(cache), None).sequences
-    stock = ORIGINAL_GENERATE(
-        llama,
-        **inputs,
-        past_key_values=copy.deepcopy(cache),
-        assistant_model=llama_draft,
-        max_new_tokens=MAX_NEW,
-        do_sample=False,
-        eos_token_id=None,
-    )
     hf_specdec.install()
     try:
         routed = llama.generate(
@@ -156,7 +151,6 @@ def test_continuing_a_cache_at_batch_1_equals_hf_stock_assisted(llama, llama_dra
         )
     finally:
         hf_specdec.uninstall()
-    assert torch.equal(stock, expected)
     assert torch.equal(routed, expected)
     assert cache.get_seq_length() == expected.shape[1] - 1
 
