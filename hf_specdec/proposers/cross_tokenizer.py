@@ -4,9 +4,11 @@ Per step and row, the row's target tokens are decoded to text and re-encoded wit
 draft's own `CacheView` keeps the longest prefix it already holds of that encoding (ragged rollback) and feeds
 the rest, then drafts k tokens greedily (one batched forward per draft position). The drafted text, i.e. the
 decoded draft tokens past the decoded re-encoding, is encoded with the target's tokenizer into at most k target
-drafts. Drafts are deterministic given the row, so they are one-hot proposals: the rejection sampler keeps
-greedy output identical to plain decoding and sampling at the target's law, whatever the translation yields.
-Tokenizer work runs on the host, O(row length) per row and step (like HF, which re-encodes a window).
+drafts. Greedy drafts are deterministic given the row, so they are one-hot proposals. With sampling, tokens
+whose strings exist in both vocabularies are mapped one to one (HF's universal speculative decoding): the
+draft's logits over those tokens become target-vocabulary logits (the others -inf), go through the call's
+logits processors, and the draft samples from that q and returns it, so the rejection sampler keeps the
+target's law exactly. Tokenizer work runs on the host, O(row length) per row and step.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from transformers import PreTrainedModel
 from hf_specdec.batch import RaggedBatch
 from hf_specdec.cache import CacheView
 from hf_specdec.proposers.base import Proposal, Proposer
-from hf_specdec.proposers.draft_model import draft_position_limit
+from hf_specdec.proposers.draft_model import draft_position_limit, output_vocab_size, sampling_exponentials
 from hf_specdec.sampling.processors import StepSampling
 
 
@@ -71,6 +73,23 @@ class CrossTokenizerProposer(Proposer):
                 f"The draft model is on {self.draft_model.device} but the target is on {target.device}: move it "
                 f"first with draft_model.to({str(target.device)!r})."
             )
+        self._map_vocabularies(output_vocab_size(target), target.device)
+
+    def _map_vocabularies(self, target_vocab: int, device: torch.device) -> None:
+        """Tokens with the same string in both vocabularies: draft ids [M], target ids [M], target -> draft [V]."""
+        draft_vocab = output_vocab_size(self.draft_model)
+        target_ids = self.target_tokenizer.get_vocab()
+        pairs = [
+            (a, target_ids[piece])
+            for piece, a in self.draft_tokenizer.get_vocab().items()
+            if piece in target_ids and a < draft_vocab and target_ids[piece] < target_vocab
+        ]
+        pairs.sort()
+        self.mapped_draft = torch.tensor([a for a, _ in pairs], dtype=torch.long, device=device)  # [M]
+        self.mapped_target = torch.tensor([t for _, t in pairs], dtype=torch.long, device=device)  # [M]
+        self.target_to_draft = torch.full((target_vocab,), -1, dtype=torch.long, device=device)  # [V]
+        self.target_to_draft[self.mapped_target] = self.mapped_draft
+        self.target_vocab = target_vocab
 
     def prefill(self, batch: RaggedBatch, sampling: StepSampling) -> None:
         device = batch.device
@@ -121,9 +140,11 @@ class CrossTokenizerProposer(Proposer):
             if not rows:
                 return Proposal.empty(batch.batch_size, batch.device)
         self._store(rows, encoded, max(len(ids) for ids in encoded) + k + 1)
-        lengths = self.draft_lengths.clone()  # [B]
         drafting_rows = torch.zeros(batch.batch_size, dtype=torch.bool, device=batch.device)
         drafting_rows[rows] = True
+        if sampling.do_sample and self.mapped_target.numel():  # no shared token: one-hot text drafts (exact too)
+            return self._sample_mapped(batch, drafting_rows & (budget > 0), budget, k, sampling)
+        lengths = self.draft_lengths.clone()  # [B]
         index = torch.arange(batch.batch_size, device=batch.device)
         for j in range(k):
             drafting = drafting_rows & (budget > j)  # [B]
@@ -144,6 +165,46 @@ class CrossTokenizerProposer(Proposer):
         num_draft = (draft_token_ids >= 0).sum(1)  # [B]
         width = int(num_draft.max().item())
         return Proposal(draft_token_ids=draft_token_ids[:, :width], num_draft_tokens=num_draft)
+
+    def _sample_mapped(
+        self,
+        batch: RaggedBatch,
+        alive: torch.Tensor,  # [B] rows that draft
+        budget: torch.Tensor,  # [B] drafts per row
+        k: int,
+        sampling: StepSampling,
+    ) -> Proposal:
+        """Sample up to k drafts per row over the shared tokens, returning the target-vocabulary q they came from."""
+        assert self.view is not None
+        rows = torch.arange(batch.batch_size, device=batch.device)
+        lengths = self.draft_lengths.clone()  # [B] draft ids per row, drafts included
+        target_lengths = batch.lengths.clone()  # [B] target tokens per row, drafts included
+        draft_token_ids = torch.full((batch.batch_size, k), -1, dtype=torch.long, device=batch.device)  # [B, k]
+        draft_probs = []
+        for j in range(k):
+            drafting = alive & (budget > j)  # [B]
+            num_new = torch.where(drafting, lengths - self.view.cached_lengths, 0)  # [B]
+            logits = self.view.forward(self.draft_ids, num_new)[rows, (num_new - 1).clamp(min=0)]  # [B, V_draft]
+            mapped = logits.new_full((batch.batch_size, self.target_vocab), float("-inf"))  # [B, V]
+            mapped[:, self.mapped_target] = logits[:, self.mapped_draft]
+            scores = sampling.process(batch.token_ids, target_lengths[:, None], drafting[:, None], mapped[:, None])[
+                :, 0
+            ]
+            drafting = drafting & torch.isfinite(scores).any(-1)  # a row whose processors left no shared token stops
+            probs = torch.where(drafting[:, None], torch.softmax(scores, dim=-1).nan_to_num(0.0), 0.0)  # [B, V]
+            tokens = (probs / sampling_exponentials(sampling, j, self.target_vocab)).argmax(-1)  # [B] target ids
+            at = target_lengths.clamp(max=batch.capacity - 1)
+            batch.token_ids[rows, at] = torch.where(drafting, tokens, batch.token_ids[rows, at])
+            at = lengths.clamp(max=self.draft_ids.shape[1] - 1)
+            self.draft_ids[rows, at] = torch.where(drafting, self.target_to_draft[tokens], self.draft_ids[rows, at])
+            draft_token_ids[:, j] = torch.where(drafting, tokens, -1)
+            draft_probs.append(probs)
+            lengths, target_lengths = lengths + drafting.long(), target_lengths + drafting.long()
+            alive = alive & drafting
+        num_draft = (draft_token_ids >= 0).sum(1)  # [B]
+        width = int(num_draft.max().item())
+        probs = torch.stack(draft_probs, dim=1)[:, :width]  # [B, k', V]
+        return Proposal(draft_token_ids=draft_token_ids[:, :width], num_draft_tokens=num_draft, draft_probs=probs)
 
     def select_rows(self, keep: torch.Tensor) -> None:
         if self.view is not None:

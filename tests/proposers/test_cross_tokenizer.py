@@ -109,6 +109,7 @@ def test_sampling_rows_depend_only_on_their_seed(tokenizers, models):
         batch = {k: v[rows] for k, v in inputs.items()}
         outs.append(spec_generate(target, batch, spec, max_new_tokens=MAX_NEW, do_sample=True, eos_token_id=None))
     assert torch.equal(outs[0], outs[1][[2, 1, 0]])
+    assert spec.last_stats.num_draft_tokens > 0  # sampled over the tokens both BPE vocabularies share
 
 
 def test_missing_target_tokenizer_is_refused(tokenizers, models):
