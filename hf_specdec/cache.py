@@ -68,27 +68,32 @@ class CacheView:
         # A single row without holes is laid out exactly like plain decoding's cache: let the model build its own
         # causal mask (no explicit mask keeps sdpa on its GQA-native, flash-capable path).
         mask = None if self.aligned and width > 0 else self._attention_mask(queries, keys)
-        outputs = self._run(self.model, input_ids, mask, position_ids, logits_to_keep)
+        logits = self.run_model(input_ids, mask, position_ids, logits_to_keep if logits_to_keep is not None else 0)
         self.column_index = keys
         self.cached_lengths = self.cached_lengths + num_new
-        return outputs.logits.float()
+        return logits.float()
 
-    def _run(
+    def run_model(
         self,
-        call: object,  # the model, or its compiled __call__
         input_ids: torch.Tensor,  # [B, w]
         mask: torch.Tensor | dict[str, torch.Tensor] | None,
         position_ids: torch.Tensor,  # [B, w]
-        logits_to_keep: int | None,
-    ) -> object:
-        return call(
+        logits_to_keep: int,
+        call: object = None,  # the model's compiled __call__ (static caches on a GPU), or None for the model
+    ) -> torch.Tensor:  # [B, w or logits_to_keep, V]
+        """One forward of the model over the cache (encoder-decoder views pass their encoder states here)."""
+        return (call or self.model)(
             input_ids=input_ids,
             attention_mask=mask,
             position_ids=position_ids,
             past_key_values=self.cache,
             use_cache=True,
-            logits_to_keep=logits_to_keep if logits_to_keep is not None else 0,
-        )
+            logits_to_keep=logits_to_keep,
+        ).logits
+
+    def kv_layers(self) -> list:
+        """The cache layers whose columns follow `column_index` (an encoder-decoder's self-attention layers)."""
+        return self.cache.layers
 
     def _attention_mask(
         self,
@@ -138,7 +143,7 @@ class CacheView:
         new_width = int(keep.sum(1).max().item())
         order = torch.sort(keep.to(torch.int8), dim=1, stable=True).indices[:, self.width - new_width :]  # [B, W']
         self.column_index = self.column_index.gather(1, order)
-        for layer in self.cache.layers:
+        for layer in self.kv_layers():
             if not getattr(layer, "is_initialized", False) or layer.keys is None or layer.keys.numel() == 0:
                 continue
             index = order[:, None, :, None].to(layer.keys.device)  # [B, 1, W', 1]

@@ -12,7 +12,7 @@ from typing import Any
 
 from hf_specdec.metrics import SpecDecodeStats
 
-METHODS = ("draft", "ngram", "mtp")
+METHODS = ("draft", "ngram", "mtp", "early_exit")
 MAX_SPECULATIVE_TOKENS = 32
 SCHEDULES = ("constant", "heuristic", "heuristic_transient", "adaptive")
 
@@ -25,13 +25,22 @@ class SpecDecoder:
         method (`str`, *optional*):
             `"draft"` (a smaller causal LM sharing the target's tokenizer), `"ngram"` (prompt lookup in
             the row's own tokens) or `"mtp"` (the target's own multi-token-prediction layers, for models whose
-            config has `num_mtp_layers`). Defaults to `"draft"` when `draft_model` is given, else `"ngram"`.
+            config has `num_mtp_layers`) or `"early_exit"` (LayerSkip self-speculation: the target's first
+            `early_exit_layers` layers and its LM head draft; HF's `assistant_early_exit`). Defaults to `"draft"`
+            when `draft_model` is given, `"early_exit"` when `early_exit_layers` is, else `"ngram"`.
         draft_model (`PreTrainedModel`, *optional*):
             The draft model for `method="draft"`. It must have the target's vocabulary and sit on the
             target's device.
+        draft_tokenizer (`PreTrainedTokenizerBase`, *optional*):
+            The draft model's tokenizer when it differs from the target's (HF's `assistant_tokenizer`: universal
+            assisted generation). Drafts are translated through text; the target's tokenizer must be given too
+            (`tokenizer=` here, or the call's `tokenizer=` after `install()`). Greedy and sampling stay exact.
         mtp_model (`MtpModel`, *optional*):
             The MTP layers for `method="mtp"` (`transformers.modeling_layers.MtpModel`). By default they are
             loaded once from the target's checkpoint with `MtpModel.from_pretrained(target)` and reused.
+        early_exit_layers (`int`, *optional*):
+            For `method="early_exit"`: how many of the target's first decoder layers draft (1..num_layers - 1).
+            Meant for models trained to exit early (e.g. `facebook/layerskip-llama3.2-1B`); any model is exact.
         num_speculative_tokens (`int`, defaults to 5):
             Draft tokens per step, k, in 1..32 (the largest k with `num_speculative_tokens_schedule="adaptive"`,
             the starting k with the heuristic schedules).
@@ -49,7 +58,7 @@ class SpecDecoder:
               `generation_config.num_assistant_tokens`), so it persists across calls like HF's.
             - `"heuristic_transient"`: the same, restarting from `num_speculative_tokens` every call.
         draft_confidence_threshold (`float`, *optional*):
-            HF's `assistant_confidence_threshold` (method `"draft"` only): a row stops drafting after a draft token
+            HF's `assistant_confidence_threshold` (methods `"draft"` and `"early_exit"`): a row stops drafting after a draft token
             whose draft probability is below it, and the threshold is re-fit after each step to the accepted /
             rejected history (HF's ROC rule). `None` or 0 turns it off.
         max_draft_len (`int`, *optional*):
@@ -74,7 +83,9 @@ class SpecDecoder:
 
     method: str | None = None
     draft_model: Any = None
+    draft_tokenizer: Any = None
     mtp_model: Any = None
+    early_exit_layers: int | None = None
     num_speculative_tokens: int = 5
     num_speculative_tokens_schedule: str = "constant"
     draft_confidence_threshold: float | None = None
@@ -89,6 +100,8 @@ class SpecDecoder:
     def __post_init__(self) -> None:
         if self.method is None:
             self.method = "draft" if self.draft_model is not None else "ngram"
+            if self.draft_model is None and self.early_exit_layers is not None:
+                self.method = "early_exit"
         if self.method not in METHODS:
             raise ValueError(f"SpecDecoder(method={self.method!r}) is not a known method: pass one of {METHODS}.")
         if self.method == "draft" and self.draft_model is None:
@@ -106,6 +119,18 @@ class SpecDecoder:
                 f"SpecDecoder(method={self.method!r}) was also given a draft_model, which that method would ignore: "
                 "drop draft_model, or use method='draft'."
             )
+        self._check_early_exit()
+        if self.draft_tokenizer is not None:
+            if self.method != "draft":
+                raise ValueError(
+                    f"SpecDecoder(method={self.method!r}) was also given a draft_tokenizer, which only method='draft' "
+                    "uses: drop draft_tokenizer, or pass draft_model= as well."
+                )
+            if self.draft_confidence_threshold:
+                raise ValueError(
+                    f"draft_confidence_threshold={self.draft_confidence_threshold} does not apply to a draft with "
+                    "another tokenizer (its probabilities are over another vocabulary): drop it."
+                )
         k = self.num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(
@@ -141,16 +166,31 @@ class SpecDecoder:
                     f"draft_confidence_threshold must be a float in [0, 1) or None, got {threshold!r}: HF's default "
                     "is 0.4; 0 or None turns it off."
                 )
-            if threshold > 0 and self.method != "draft":
+            if threshold > 0 and self.method not in ("draft", "early_exit"):
                 raise ValueError(
-                    f"draft_confidence_threshold={threshold} only applies to method='draft' (it reads the draft model's "
-                    f"probabilities), but method={self.method!r}: drop draft_confidence_threshold."
+                    f"draft_confidence_threshold={threshold} only applies to method='draft' or 'early_exit' (it reads "
+                    f"the draft's probabilities), but method={self.method!r}: drop draft_confidence_threshold."
                 )
         limit = self.max_draft_len
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 2):
             raise ValueError(
                 f"max_draft_len must be an int >= 2 or None, got {limit!r}: it is the sequence length (prompt + "
                 "generated tokens) past which rows stop speculating."
+            )
+
+    def _check_early_exit(self) -> None:
+        layers = self.early_exit_layers
+        if self.method != "early_exit":
+            if layers is not None:
+                raise ValueError(
+                    f"SpecDecoder(method={self.method!r}) was also given early_exit_layers={layers!r}, which only "
+                    "method='early_exit' uses: drop early_exit_layers, or use method='early_exit'."
+                )
+            return
+        if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+            raise ValueError(
+                f"SpecDecoder(method='early_exit') needs early_exit_layers, an int >= 1 (the number of the target's "
+                f"first layers that draft), got {layers!r}: e.g. early_exit_layers=4."
             )
 
     def _check_seed(self) -> None:
@@ -171,12 +211,12 @@ class SpecDecoder:
 
     def to_dict(self) -> dict[str, Any]:
         """The serialisable settings (model, tokenizer and streamer objects are left out)."""
-        skip = {"draft_model", "mtp_model", "tokenizer", "streamer", "last_stats"}
+        skip = {"draft_model", "draft_tokenizer", "mtp_model", "tokenizer", "streamer", "last_stats"}
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], **objects: Any) -> SpecDecoder:
-        """Inverse of `to_dict`; pass `draft_model=`, `mtp_model=`, `tokenizer=`, `streamer=` as keyword arguments."""
+        """Inverse of `to_dict`; pass `draft_model=`, `draft_tokenizer=`, `mtp_model=`, `tokenizer=`, `streamer=` as keyword arguments."""
         known = {f.name for f in fields(cls) if f.init}
         unknown = set(data) - known
         if unknown:

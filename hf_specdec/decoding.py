@@ -18,6 +18,7 @@ from transformers import PreTrainedModel
 
 from hf_specdec.batch import RaggedBatch
 from hf_specdec.cache import CacheView
+from hf_specdec.continuation import CacheHandoff
 from hf_specdec.exact import ExactPath
 from hf_specdec.metrics import SpecDecodeStats
 from hf_specdec.proposers.base import Proposal, Proposer
@@ -45,6 +46,7 @@ class LoopOutput:
     sequences: torch.Tensor  # [B, L] token ids laid out like plain generate's
     scores: tuple[torch.Tensor, ...] | None  # one [B, V] per generated column (processed scores)
     logits: tuple[torch.Tensor, ...] | None  # one [B, V] per generated column (raw logits)
+    past_key_values: object | None = None  # the cache plain generate would leave (when a CacheHandoff asks)
 
 
 class SpeculativeLoop:
@@ -64,6 +66,8 @@ class SpeculativeLoop:
         output_logits: bool,
         static: StaticPlan | None = None,
         exact: ExactPath | None = None,
+        handoff: CacheHandoff | None = None,
+        view_factory: Callable[[PreTrainedModel, RaggedBatch], CacheView] | None = None,
     ) -> None:
         self.model = model
         self.proposer = proposer
@@ -83,10 +87,15 @@ class SpeculativeLoop:
         self.frozen = torch.zeros(total, dtype=torch.bool, device=device)  # [B]
         self.num_frozen = 0
         if static is None:
-            self.target = CacheView(model, batch.batch_size, batch.pad_lengths)
+            # An encoder-decoder target's view also feeds the encoder output (`hf_specdec.seq2seq`).
+            self.target = view_factory(model, batch) if view_factory else CacheView(model, total, batch.pad_lengths)
         else:
             self.target = StaticCacheView(model, total, batch.pad_lengths, static)
             proposer.use_static(static)
+        self.handoff = handoff  # adopts a filled past_key_values; keeps leaving rows' caches to hand back
+        if handoff is not None:
+            handoff.adopt(self.target)
+        self.prefilled = False
         self.sequences = batch.token_ids[:, :max_length].clone()  # [B_total, max_length] final rows
         self.final_lengths = batch.lengths.clone()  # [B_total] length of each row when it left
         self.streamed = batch.prompt_width
@@ -186,11 +195,12 @@ class SpeculativeLoop:
         unseen = self.batch.lengths - self.target.cached_lengths  # [B] 1, or the whole row at step 0
         num_new = (unseen + proposal.num_draft_tokens).masked_fill(self.frozen, 0)  # [B]
         width = proposal.draft_token_ids.shape[1]  # the longest row's drafts (dynamic), or k (static)
-        if self.target.width == 0:  # step 0: of the prefill keep [last prompt token, drafts]
-            fed = self._width(self.batch.prompt_width + width)
+        if not self.prefilled:  # step 0 (all the prompt a filled cache lacks): keep [last prompt token, drafts]
+            self.prefilled = True
+            fed = self._width(self.batch.prompt_width + width)  # static: every row feeds its whole prompt
             return self.target.forward(self.batch.token_ids, num_new, logits_to_keep=1 + width, **fed)
         # After step 0 every fed slot is [newest token, drafts]: keep them all (no host sync).
-        return self.target.forward(self.batch.token_ids, num_new, **self._width(1 + proposal.draft_token_ids.shape[1]))
+        return self.target.forward(self.batch.token_ids, num_new, **self._width(1 + width))
 
     def score(self, proposal: Proposal, target_logits: torch.Tensor) -> torch.Tensor:  # [B, 1 + k, V]
         width = target_logits.shape[1]
@@ -283,6 +293,8 @@ class SpeculativeLoop:
                 row, length = int(batch.row_ids[i]), int(batch.lengths[i])
                 self.sequences[row, :length] = batch.token_ids[i, :length]
                 self.final_lengths[row] = length
+            if self.handoff is not None:
+                self.handoff.stash(self.target, leaving, batch.row_ids[leaving])
             keep = (~done).nonzero().squeeze(1)
             batch.select_rows(keep)
             self.frozen = self.frozen[keep]
@@ -347,7 +359,8 @@ class SpeculativeLoop:
             scores = tuple(self.score_buffer[:, :generated].unbind(1))
         if self.logit_buffer is not None:
             logits = tuple(self.logit_buffer[:, :generated].unbind(1))
-        return LoopOutput(sequences=sequences, scores=scores, logits=logits)
+        cache = self.handoff.hand_back(self.model, sequences) if self.handoff is not None else None
+        return LoopOutput(sequences=sequences, scores=scores, logits=logits, past_key_values=cache)
 
 
 def _grown(buffer: torch.Tensor | None, needed: int, limit: int) -> torch.Tensor | None:  # [B_total, T', V]

@@ -13,14 +13,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import GenerationConfig, PreTrainedModel
+from transformers import DynamicCache, GenerationConfig, PreTrainedModel
 from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
-from transformers.generation.utils import GenerateDecoderOnlyOutput
+from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput
 
 from hf_specdec import compat
 from hf_specdec.batch import RaggedBatch
 from hf_specdec.config import SpecDecoder
+from hf_specdec.continuation import CacheHandoff, check_continuation_cache
 from hf_specdec.decoding import SpeculativeLoop, StaticPlan
 from hf_specdec.exact import ExactPath, needs_exact_path
 from hf_specdec.metrics import SpecDecodeStats
@@ -33,7 +34,14 @@ from hf_specdec.schedules import HeuristicSchedule, SpeculationSchedule
 from hf_specdec.stopping import StopRules
 
 #: model_kwargs that `generate` prepares and this package handles itself.
-HANDLED_MODEL_KWARGS = {"attention_mask", "position_ids", "past_key_values", "use_cache", "logits_to_keep"}
+HANDLED_MODEL_KWARGS = {
+    "attention_mask",
+    "position_ids",
+    "past_key_values",
+    "use_cache",
+    "logits_to_keep",
+    "encoder_outputs",  # encoder-decoder targets: generate ran the encoder (`hf_specdec.seq2seq`)
+}
 
 
 @dataclass
@@ -41,6 +49,22 @@ class SpecDecodeOutput(GenerateDecoderOnlyOutput):
     """`GenerateDecoderOnlyOutput` plus the call's speculative-decoding statistics."""
 
     spec_stats: SpecDecodeStats | None = None
+
+
+@dataclass
+class SpecDecodeEncoderDecoderOutput(GenerateEncoderDecoderOutput):
+    """`GenerateEncoderDecoderOutput` plus the call's speculative-decoding statistics."""
+
+    spec_stats: SpecDecodeStats | None = None
+
+
+def _seq2seq_views(encoder: Any):  # noqa: ANN202
+    """The CacheView factory of an encoder-decoder call (None: the loop's plain CacheView)."""
+    if encoder is None:
+        return None
+    from hf_specdec.seq2seq import Seq2SeqCacheView
+
+    return lambda model, batch: Seq2SeqCacheView(model, batch.batch_size, batch.pad_lengths, encoder)
 
 
 def generate(
@@ -67,6 +91,7 @@ def generate(
     _check_call(model, input_ids, generation_config, model_kwargs)
     if spec.draft_model is not None:
         check_supported_cache(spec.draft_model, role="draft")
+    check_speculation_type(getattr(generation_config, "speculation_type", None))
     streamer = spec_streamer if spec_streamer is not None else spec.streamer
     tokenizer = spec_tokenizer if spec_tokenizer is not None else spec.tokenizer
     if spec_stop_strings is not None:
@@ -80,8 +105,23 @@ def generate(
     if streamer is not None:
         streamer.put(input_ids.cpu())
 
+    encoder = None
+    decoder_mask = model_kwargs.get("attention_mask")
+    if model.config.is_encoder_decoder:  # generate ran the encoder; its attention_mask is the encoder's
+        from hf_specdec.seq2seq import check_seq2seq_target, encoder_state
+
+        check_seq2seq_target(model, input_ids.shape[0], spec.method)
+        encoder, decoder_mask = encoder_state(model_kwargs), None
+    static = None
+    if generation_config.cache_implementation == "static":
+        static = static_plan(model, spec, generation_config, model_kwargs.get("past_key_values"))
+    handoff = (
+        None
+        if static
+        else build_handoff(model, spec, input_ids, generation_config, model_kwargs.get("past_key_values"))
+    )
     batch = RaggedBatch.from_prompts(
-        input_ids, model_kwargs.get("attention_mask"), generation_config.max_length + spec.max_speculative_tokens + 1
+        input_ids, decoder_mask, generation_config.max_length + spec.max_speculative_tokens + 1
     )
     seeds = row_seeds(spec.seed, batch.batch_size).to(batch.device)
     sampling = StepSampling(processors=logits_processor, do_sample=bool(generation_config.do_sample), seeds=seeds)
@@ -104,7 +144,7 @@ def generate(
             )
     loop = SpeculativeLoop(
         model=model,
-        proposer=build_proposer(spec, model),
+        proposer=build_proposer(spec, model, tokenizer, encoder),
         batch=batch,
         sampling=sampling,
         stop_rules=stop_rules,
@@ -113,17 +153,25 @@ def generate(
         streamer=streamer,
         output_scores=bool(generation_config.return_dict_in_generate and generation_config.output_scores),
         output_logits=bool(generation_config.return_dict_in_generate and generation_config.output_logits),
-        static=static_plan(model, spec, generation_config)
-        if generation_config.cache_implementation == "static"
-        else None,
+        static=static,
         exact=exact,
+        handoff=handoff,
+        view_factory=_seq2seq_views(encoder),
     )
     result = loop.run()
     loop.proposer.finish()
     spec.last_stats = loop.stats
+    if generation_config.return_dict_in_generate and encoder is not None:
+        return SpecDecodeEncoderDecoderOutput(
+            sequences=result.sequences, scores=result.scores, logits=result.logits, spec_stats=loop.stats
+        )
     if generation_config.return_dict_in_generate:
         return SpecDecodeOutput(
-            sequences=result.sequences, scores=result.scores, logits=result.logits, spec_stats=loop.stats
+            sequences=result.sequences,
+            scores=result.scores,
+            logits=result.logits,
+            past_key_values=result.past_key_values,
+            spec_stats=loop.stats,
         )
     return result.sequences
 
@@ -132,8 +180,22 @@ def generate(
 STATIC_HOLE_ROOM = 64
 
 
-def static_plan(model: PreTrainedModel, spec: SpecDecoder, generation_config: GenerationConfig) -> StaticPlan:
+def static_plan(
+    model: PreTrainedModel, spec: SpecDecoder, generation_config: GenerationConfig, cache: Any = None
+) -> StaticPlan:
     """Static caches for this call, and the compiled forwards transformers' own rules allow (CUDA: graphs)."""
+    unsupported = None
+    if model.config.is_encoder_decoder:
+        unsupported = f"an encoder-decoder target ({type(model).__name__})"
+    elif spec.method == "early_exit" or spec.draft_tokenizer is not None:
+        unsupported = "early-exit drafts" if spec.method == "early_exit" else "a draft with another tokenizer"
+    elif cache is not None and int(cache.get_seq_length()) > 0:
+        unsupported = "continuing a filled past_key_values"
+    if unsupported:
+        raise NotImplementedError(
+            f"cache_implementation='static' does not support {unsupported} in hf_specdec yet (it covers decoder-only "
+            "targets with a draft model, prompt lookup or MTP): drop cache_implementation='static'."
+        )
     k = spec.max_speculative_tokens
     # Room for every token, one verify's slots, and holes that lagging rows leave between two compactions.
     max_columns = generation_config.max_length + k + 1 + max(STATIC_HOLE_ROOM, 4 * (k + 1))
@@ -146,7 +208,38 @@ def static_plan(model: PreTrainedModel, spec: SpecDecoder, generation_config: Ge
     return StaticPlan(k=k, max_columns=max_columns, compiled_call=compiled_for)
 
 
-def build_proposer(spec: SpecDecoder, model: PreTrainedModel) -> Top1Proposer:
+def build_handoff(
+    model: PreTrainedModel, spec: SpecDecoder, input_ids: torch.Tensor, config: GenerationConfig, cache: Any
+) -> CacheHandoff | None:
+    """The cache handoff of this call: adopt a filled `past_key_values`, and fill the caller's cache (or the one a
+    `return_dict_in_generate` output carries) like plain decoding; None when nobody will see the cache."""
+    if model.config.is_encoder_decoder:
+        if cache is not None and cache.get_seq_length() > 0:
+            raise NotImplementedError(
+                "Continuing a filled past_key_values is supported for decoder-only targets only: pass the whole "
+                f"decoder prompt to {type(model).__name__} without past_key_values."
+            )
+        return None  # the returned output carries no cache (the EncoderDecoderCache is not handed back)
+    if cache is None:
+        if not config.return_dict_in_generate:
+            return None
+        cache = DynamicCache(config=model.config.get_text_config(decoder=True))
+    past = check_continuation_cache(cache, input_ids)
+    if past and spec.method == "mtp":
+        raise NotImplementedError(
+            "method='mtp' (use_mtp=True) cannot continue a filled past_key_values (its layers need the target's hidden "
+            "states of every earlier token): pass the full conversation without past_key_values, or use a draft "
+            "model or prompt lookup."
+        )
+    # generate creates a cache of its own when the caller passed none; fill it only when the output returns it.
+    if not past and not config.return_dict_in_generate and not getattr(cache, "_is_user_defined", True):
+        return None
+    return CacheHandoff(cache, past)
+
+
+def build_proposer(
+    spec: SpecDecoder, model: PreTrainedModel, tokenizer: Any = None, encoder: Any = None
+) -> Top1Proposer:
     """The proposer that `spec` describes, checked against the target model.
 
     It is always wrapped in a `Top1Proposer`, the one place where per-row draft budgets are decided (the draft's
@@ -154,13 +247,35 @@ def build_proposer(spec: SpecDecoder, model: PreTrainedModel) -> Top1Proposer:
     """
     k = spec.max_speculative_tokens
     inner: Proposer
-    if spec.method == "draft":
+    if spec.method == "draft" and spec.draft_tokenizer is not None:
+        if encoder is not None:
+            raise NotImplementedError(
+                "A draft with another tokenizer is not supported for encoder-decoder targets: use a draft sharing "
+                "the target's tokenizer, or prompt_lookup_num_tokens."
+            )
+        from hf_specdec.proposers.cross_tokenizer import CrossTokenizerProposer
+
+        inner = CrossTokenizerProposer(spec.draft_model, tokenizer, spec.draft_tokenizer, k)
+    elif spec.method == "draft":
         from hf_specdec.proposers.draft_model import DraftModelProposer, check_draft_model
         from hf_specdec.schedules import ConfidenceThreshold
 
         check_draft_model(model, spec.draft_model)
         threshold = spec.draft_confidence_threshold
         inner = DraftModelProposer(spec.draft_model, k, ConfidenceThreshold(threshold) if threshold else None)
+        if encoder is not None:  # the draft cross-attends to the target's encoder output
+            from hf_specdec.seq2seq import check_seq2seq_draft
+
+            check_seq2seq_draft(model, spec.draft_model, encoder.hidden.shape[-1])
+            inner.view_factory = _seq2seq_views(encoder)
+    elif spec.method == "early_exit":
+        from hf_specdec.proposers.early_exit import EarlyExitProposer
+        from hf_specdec.schedules import ConfidenceThreshold
+
+        threshold = spec.draft_confidence_threshold
+        inner = EarlyExitProposer(
+            model, spec.early_exit_layers, k, ConfidenceThreshold(threshold) if threshold else None
+        )
     elif spec.method == "mtp":
         from hf_specdec.proposers.mtp import MTPProposer, resolve_mtp_model
 
@@ -178,9 +293,11 @@ def _build_schedule(spec: SpecDecoder, model: PreTrainedModel, inner: Proposer) 
     if schedule == "adaptive":
         from hf_specdec.adaptive import AdaptiveSchedule
 
-        key = {"draft": f"draft:{id(spec.draft_model)}", "mtp": "mtp"}.get(
-            spec.method, f"ngram:{spec.prompt_lookup_min}-{spec.prompt_lookup_max}"
-        )
+        key = {
+            "draft": f"draft:{id(spec.draft_model)}",
+            "mtp": "mtp",
+            "early_exit": f"exit:{spec.early_exit_layers}",
+        }.get(spec.method, f"ngram:{spec.prompt_lookup_min}-{spec.prompt_lookup_max}")
         return AdaptiveSchedule(spec.num_speculative_tokens, model, key, propose_first=inner.proposes_cheaply)
     if schedule.startswith("heuristic"):
 
@@ -212,6 +329,16 @@ def row_seeds(seed: int | list[int] | None, batch_size: int) -> torch.Tensor:  #
     return torch.tensor(seed, dtype=torch.long)
 
 
+def check_speculation_type(speculation_type: Any) -> None:
+    """Raise for transformers' `speculation_type` values (DFlash) that hf_specdec does not run."""
+    if speculation_type is not None:
+        raise NotImplementedError(
+            f"speculation_type={speculation_type!r} (DFlash block drafting) is not supported by hf_specdec yet. "
+            "Supported: a causal LM draft (same or another tokenizer), prompt lookup, MTP layers, early exit; for "
+            "DFlash call hf_specdec.uninstall() and use transformers' own (batch 1) assisted decoding."
+        )
+
+
 def _check_spec_decoder(spec_decoder: Any) -> SpecDecoder:
     if spec_decoder is None:
         raise ValueError(
@@ -230,11 +357,6 @@ def _check_call(
     model: PreTrainedModel, input_ids: torch.Tensor, config: GenerationConfig, model_kwargs: dict[str, Any]
 ) -> None:
     """Raise a clear error for every generate setting this package does not support."""
-    if model.config.is_encoder_decoder:
-        raise NotImplementedError(
-            f"{type(model).__name__} is an encoder-decoder model; hf_specdec supports decoder-only targets for now. "
-            "Call generate without spec_decoder/custom_generate for this model."
-        )
     if config.num_beams is not None and config.num_beams > 1:
         raise ValueError(
             f"Speculative decoding does not combine with beam search (num_beams={config.num_beams}): pass num_beams=1."
@@ -249,19 +371,16 @@ def _check_call(
     if config.output_attentions or config.output_hidden_states:
         raise NotImplementedError(
             f"output_attentions={config.output_attentions} / output_hidden_states={config.output_hidden_states} "
-            "were requested, which hf_specdec does not support yet: drop them "
-            "(output_scores and output_logits are supported)."
+            "were requested, which hf_specdec does not return (see docs/usage.md): drop them, and if you need them run "
+            "one forward over the result, model(out.sequences, attention_mask=..., position_ids=..., "
+            "output_hidden_states=True), which "
+            "gives plain decoding's values for every token in one pass (output_scores / output_logits are supported)."
         )
     if config.cache_implementation not in (None, "dynamic", "static"):
         raise NotImplementedError(
             f"cache_implementation={config.cache_implementation!r} is not supported by hf_specdec: it runs on its own "
             "DynamicCache (the default) or StaticCache (cache_implementation='static', compiled on a GPU); pass one "
             "of those."
-        )
-    cache = model_kwargs.get("past_key_values")
-    if cache is not None and cache.get_seq_length() > 0:
-        raise NotImplementedError(
-            "Continuing from a filled past_key_values is not supported by hf_specdec yet: pass the full prompt instead."
         )
     unknown = sorted(set(model_kwargs) - HANDLED_MODEL_KWARGS)
     if unknown:

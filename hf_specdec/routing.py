@@ -1,7 +1,7 @@
 """`install()` / `uninstall()`: the opt-in hook that routes transformers' own speculation arguments to hf_specdec.
 
-`install()` wraps `GenerationMixin.generate` so that `spec_decoder=`, `assistant_model=`, `prompt_lookup_num_tokens=`
-and `use_mtp=` run through `hf_specdec.generate` (with `streamer`, `tokenizer` and `stop_strings` forwarded, which
+`install()` wraps `GenerationMixin.generate` so that `spec_decoder=`, `assistant_model=`, `prompt_lookup_num_tokens=`,
+`use_mtp=` and `assistant_early_exit=` run through `hf_specdec.generate` (with `streamer`, `tokenizer` and `stop_strings` forwarded, which
 transformers does not pass to custom decoders); every other call is left exactly as it is. `uninstall()` puts the
 original back.
 """
@@ -14,7 +14,7 @@ from typing import Any
 from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 
 from hf_specdec.config import MAX_SPECULATIVE_TOKENS, SpecDecoder
-from hf_specdec.generation import generate
+from hf_specdec.generation import check_speculation_type, generate
 
 _original_generate = None
 
@@ -72,12 +72,30 @@ def _spec_from_kwargs(model: PreTrainedModel, kwargs: dict[str, Any]) -> SpecDec
     assistant = kwargs.pop("assistant_model", None)
     lookup = kwargs.pop("prompt_lookup_num_tokens", None) or getattr(config, "prompt_lookup_num_tokens", None)
     use_mtp = kwargs.pop("use_mtp", None) or getattr(config, "use_mtp", None)
+    early_exit = kwargs.pop("assistant_early_exit", None)
+    early_exit = early_exit if early_exit is not None else getattr(config, "assistant_early_exit", None)
+    if kwargs.get("assistant_tokenizer") is not None and kwargs.get("tokenizer") is None:
+        raise ValueError(
+            "assistant_tokenizer= was passed without tokenizer=: a draft with another tokenizer needs the target's "
+            "tokenizer too (tokenizer=...), as in transformers."
+        )
+    check_speculation_type(kwargs.get("speculation_type") or getattr(config, "speculation_type", None))
     if spec is not None:
-        if assistant is not None or lookup or use_mtp:
+        if assistant is not None or lookup or use_mtp or early_exit is not None:
             raise ValueError(
-                "Pass either spec_decoder= or assistant_model=/prompt_lookup_num_tokens=/use_mtp=, not both."
+                "Pass either spec_decoder= or assistant_model=/prompt_lookup_num_tokens=/use_mtp=/"
+                "assistant_early_exit=, not both."
             )
         return spec
+    if early_exit is not None:  # HF's precedence: early exit first, drafting with the target itself
+        knobs = {name: _assistant_knob(name, kwargs, config, model) for name in HF_ASSISTANT_DEFAULTS}
+        return SpecDecoder(
+            method="early_exit",
+            early_exit_layers=early_exit,
+            num_speculative_tokens=min(int(knobs["num_assistant_tokens"]), MAX_SPECULATIVE_TOKENS),
+            num_speculative_tokens_schedule=knobs["num_assistant_tokens_schedule"],
+            draft_confidence_threshold=float(knobs["assistant_confidence_threshold"]) or None,
+        )
     if use_mtp:
         # HF drafts one token per MTP layer; num_assistant_tokens= asks for more (the layers then cycle).
         from hf_specdec.proposers.mtp import check_mtp_target
@@ -86,8 +104,14 @@ def _spec_from_kwargs(model: PreTrainedModel, kwargs: dict[str, Any]) -> SpecDec
         return SpecDecoder(method="mtp", num_speculative_tokens=min(int(k), MAX_SPECULATIVE_TOKENS))
     if assistant is not None:
         knobs = {name: _assistant_knob(name, kwargs, config, assistant) for name in HF_ASSISTANT_DEFAULTS}
+        # HF's universal assisted generation: another tokenizer when both tokenizers are given (drafts go through
+        # text; no confidence threshold, as the draft's probabilities are over another vocabulary).
+        draft_tokenizer = kwargs.pop("assistant_tokenizer", None) if kwargs.get("tokenizer") is not None else None
+        if draft_tokenizer is not None:
+            knobs["assistant_confidence_threshold"] = 0
         return SpecDecoder(
             draft_model=assistant,
+            draft_tokenizer=draft_tokenizer,
             num_speculative_tokens=min(int(knobs["num_assistant_tokens"]), MAX_SPECULATIVE_TOKENS),
             num_speculative_tokens_schedule=knobs["num_assistant_tokens_schedule"],
             draft_confidence_threshold=float(knobs["assistant_confidence_threshold"]) or None,

@@ -95,11 +95,10 @@ class StaticCacheView(CacheView):
         if call is not self.model:
             torch.compiler.cudagraph_mark_step_begin()
             compiled_before, start = compat.num_compiled_graphs(), time.perf_counter()
-        outputs = self._run(call, input_ids, mask, position_ids, logits_to_keep)
+        logits = self.run_model(input_ids, mask, position_ids, logits_to_keep or 0, call)
         if call is not self.model and compat.num_compiled_graphs() != compiled_before:  # this call compiled
             torch.cuda.synchronize(token_ids.device)
             self.plan.compile_time_s += time.perf_counter() - start
-        logits = outputs.logits
         # A graph's outputs are overwritten by its next replay: keep a copy.
         logits = logits.float() if logits.dtype != torch.float32 else logits.clone()
         self.offset = self.offset + width

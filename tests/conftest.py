@@ -179,3 +179,165 @@ def make_tokenizer(vocab: int = VOCAB, padding_side: str = "left"):
         padding_side=padding_side,
         clean_up_tokenization_spaces=False,
     )
+
+
+#: A small English corpus for the tiny BPE tokenizers (`make_bpe_tokenizer`).
+BPE_CORPUS = [
+    "the cat sat on the mat and the dog sat on the log",
+    "a quick brown fox jumps over the lazy dog near the river bank",
+    "speculative decoding drafts tokens that the target model then verifies in one forward pass",
+    "she sells sea shells on the sea shore and the shells she sells are surely sea shells",
+    "to be or not to be that is the question whether tis nobler in the mind to suffer",
+    "numbers like 12 34 56 and 789 appear in text now and then",
+]
+
+
+def make_bpe_tokenizer(vocab_size: int, padding_side: str = "left"):
+    """A real BPE tokenizer trained in-process on `BPE_CORPUS` (no download): ids 0-2 are pad, bos, eos.
+
+    Different `vocab_size`s give different merges, so two of them tokenize the same text differently.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE(unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="never")
+    backend.decoder = decoders.Metaspace(prepend_scheme="never")
+    alphabet = list("abcdefghijklmnopqrstuvwxyz0123456789")
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>", "<unk>"], initial_alphabet=alphabet
+    )
+    backend.train_from_iterator(BPE_CORPUS * 4, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        padding_side=padding_side,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def make_whisper(seed: int = 0, decoder_layers: int = 2, causal: bool = False, d_model: int = 32):
+    """A tiny random Whisper (8 mel bins, 16 frames after the conv stride), or its decoder as `WhisperForCausalLM`.
+
+    Its generation_config knows two languages, two tasks and timestamp tokens 81..95 (no-timestamps id 80).
+    """
+    from transformers import WhisperConfig, WhisperForCausalLM, WhisperForConditionalGeneration
+
+    config = WhisperConfig(
+        vocab_size=VOCAB,
+        num_mel_bins=8,
+        encoder_layers=1,
+        decoder_layers=decoder_layers,
+        d_model=d_model,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=2 * d_model,
+        decoder_ffn_dim=2 * d_model,
+        max_source_positions=16,
+        max_target_positions=64,
+        pad_token_id=PAD_ID,
+        bos_token_id=1,
+        eos_token_id=EOS_ID,
+        decoder_start_token_id=1,
+        begin_suppress_tokens=None,
+        suppress_tokens=None,
+        init_std=0.4,
+    )
+    torch.manual_seed(seed)
+    model = (WhisperForCausalLM if causal else WhisperForConditionalGeneration)(config).eval()
+    generation = model.generation_config
+    generation.no_timestamps_token_id = 80
+    generation.lang_to_id = {"<|en|>": 70, "<|fr|>": 71}
+    generation.task_to_id = {"transcribe": 72, "translate": 73}
+    generation.is_multilingual = True
+    generation.max_initial_timestamp_index = 5
+    return model
+
+
+def make_seq2seq(arch: str, seed: int = 0, decoder_layers: int = 2, vocab: int = VOCAB):
+    """A tiny random BART, Marian or T5 (encoder-decoder text models whose decoders take no position ids)."""
+    from transformers import (
+        BartConfig,
+        BartForConditionalGeneration,
+        MarianConfig,
+        MarianMTModel,
+        T5Config,
+        T5ForConditionalGeneration,
+    )
+
+    if arch == "marian":
+        config = MarianConfig(
+            vocab_size=vocab,
+            d_model=32,
+            encoder_layers=1,
+            decoder_layers=decoder_layers,
+            encoder_attention_heads=2,
+            decoder_attention_heads=2,
+            encoder_ffn_dim=64,
+            decoder_ffn_dim=64,
+            max_position_embeddings=64,
+            pad_token_id=PAD_ID,
+            eos_token_id=EOS_ID,
+            decoder_start_token_id=PAD_ID,
+            forced_eos_token_id=None,
+            init_std=0.4,
+        )
+        cls = MarianMTModel
+    elif arch == "bart":
+        config = BartConfig(
+            vocab_size=vocab,
+            d_model=32,
+            encoder_layers=1,
+            decoder_layers=decoder_layers,
+            encoder_attention_heads=2,
+            decoder_attention_heads=2,
+            encoder_ffn_dim=64,
+            decoder_ffn_dim=64,
+            max_position_embeddings=64,
+            pad_token_id=PAD_ID,
+            bos_token_id=1,
+            eos_token_id=EOS_ID,
+            decoder_start_token_id=EOS_ID,
+            forced_bos_token_id=None,
+            forced_eos_token_id=None,
+            init_std=0.4,
+        )
+        cls = BartForConditionalGeneration
+    else:
+        config = T5Config(
+            vocab_size=vocab,
+            d_model=32,
+            d_kv=8,
+            d_ff=64,
+            num_layers=decoder_layers,
+            num_decoder_layers=decoder_layers,
+            num_heads=4,
+            pad_token_id=PAD_ID,
+            eos_token_id=EOS_ID,
+            decoder_start_token_id=PAD_ID,
+            initializer_factor=4.0,
+        )
+        cls = T5ForConditionalGeneration
+    torch.manual_seed(seed)
+    return cls(config).eval()
+
+
+def make_word_tokenizer(words: list[str], padding_side: str = "left"):
+    """A real word-level tokenizer (no download): ids 0-2 are pad, bos, eos, then `words` in order."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["<pad>", "<s>", "</s>", *words])}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="</s>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        padding_side=padding_side,
+        clean_up_tokenization_spaces=False,
+    )

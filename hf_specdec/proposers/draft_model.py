@@ -11,6 +11,7 @@ draft's position limit: its prefill skips rows already past it, and `Top1Propose
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,7 +38,13 @@ def output_vocab_size(model: PreTrainedModel) -> int:
 
 def check_draft_model(target: PreTrainedModel, draft: PreTrainedModel) -> None:
     """Raise a clear error when the draft cannot serve this target."""
-    if draft.config.is_encoder_decoder:
+    if type(draft).__name__.startswith(("Gemma4Assistant", "Gemma4UnifiedAssistant")):
+        raise NotImplementedError(
+            f"{type(draft).__name__} drafts from the target's shared KV states, which hf_specdec does not support "
+            "yet. Supported: a causal LM draft (same or another tokenizer), prompt lookup, MTP layers, early exit; "
+            "for this assistant call hf_specdec.uninstall() and use transformers' own (batch 1) assisted decoding."
+        )
+    if draft.config.is_encoder_decoder and not target.config.is_encoder_decoder:
         raise ValueError(f"The draft model {type(draft).__name__} is an encoder-decoder; use a decoder-only draft.")
     target_vocab, draft_vocab = output_vocab_size(target), output_vocab_size(draft)
     if target_vocab != draft_vocab:
@@ -70,17 +77,24 @@ class DraftModelProposer(Proposer):
         # step that drafted (the last draft and the bonus), and grows by 1 per step without drafts (one token each).
         self.behind = 1
         self.proposed = False
+        #: builds the draft's view (an encoder-decoder target's drafts cross-attend to its encoder output)
+        self.view_factory: Callable[[PreTrainedModel, RaggedBatch], CacheView] | None = None
         self._drafted_probs: torch.Tensor | None = None  # [B, k] draft probability of each drafted token
 
     @property
     def returns_probs(self) -> bool:  # type: ignore[override]
         return True
 
-    def prefill(self, batch: RaggedBatch, sampling: StepSampling) -> None:
+    def new_view(self, batch: RaggedBatch) -> CacheView:
+        """The draft's cache over the batch (early exit runs a truncated target through its own view)."""
         if self.static is not None:
-            self.view = StaticCacheView(self.draft_model, batch.batch_size, batch.pad_lengths, self.static)
-        else:
-            self.view = CacheView(self.draft_model, batch.batch_size, batch.pad_lengths)
+            return StaticCacheView(self.draft_model, batch.batch_size, batch.pad_lengths, self.static)
+        if self.view_factory is not None:
+            return self.view_factory(self.draft_model, batch)
+        return CacheView(self.draft_model, batch.batch_size, batch.pad_lengths)
+
+    def prefill(self, batch: RaggedBatch, sampling: StepSampling) -> None:
+        self.view = self.new_view(batch)
         num_new = batch.lengths - 1  # [B]
         if self.max_positions is not None:
             # A row that is already at the draft's position limit can never draft: the draft never sees it.

@@ -1,7 +1,7 @@
 """Bad input raises a clear error that names what is wrong, the value received and the fix.
 
 One case per mistake: a draft with another vocabulary or on another device, k out of range, an
-unknown method, beam search, use_cache=False, output_attentions, an encoder-decoder target, a
+unknown method, beam search, use_cache=False, output_attentions, T5 (no decoder position ids) at batch 3, a
 right-padded batch, and a `spec_decoder` of the wrong type.
 """
 
@@ -109,9 +109,9 @@ CASES = [
     ),
     (
         "encoder_decoder",
-        lambda t: call(tiny_t5(), make_prompts(1), hf_specdec.SpecDecoder(method="ngram")),
+        lambda t: call(tiny_t5(), make_prompts(3), hf_specdec.SpecDecoder(method="ngram")),
         NotImplementedError,
-        [r"T5ForConditionalGeneration", r"encoder-decoder", r"without spec_decoder"],
+        [r"T5ForConditionalGeneration", r"no position ids", r"batch 1 only \(got 3 rows\)"],
     ),
     (
         "right_padding",

@@ -4,7 +4,8 @@ A tiny model with a 12-token vocabulary makes the joint table of (t1, t2, t3) sm
 law p(t1) p(t2 | t1) p(t3 | t1, t2) comes from the target's own processed scores (plain `generate` with
 `output_scores`), and 20 000 speculative samples (one seeded call, the same prompt on every row) are checked
 against it with a chi-square goodness-of-fit test. Step 0, whose verify is the prefill, checks drafts made from
-the prompt. Configs cover a draft model (draft probabilities), n-gram (one-hot drafts),
+the prompt. Configs cover a draft model (draft probabilities), early exit (the target's first layer drafts), a draft with
+another tokenizer (sampled through the map of shared tokens, with its probabilities), n-gram (one-hot drafts),
 temperature / top-k / top-p and repetition penalty (scores that depend on each position's prefix), EOS inside
 the verified block, and t1..t3 as accepted drafts, recovered tokens, a bonus token or the next step's token.
 A negative control shows the statistic rejects a slightly wrong law (another temperature) on the same samples.
@@ -44,6 +45,12 @@ CONFIGS = {
         k=1,
         sampling=dict(temperature=1.1, repetition_penalty=1.8, top_k=None, top_p=0.9),
     ),
+    "another-tokenizer-temperature": dict(
+        prompt="drafts_likely", method="cross_tokenizer", k=2, sampling=dict(temperature=1.2, top_k=None)
+    ),
+    "early-exit-temperature-topk": dict(
+        prompt="eos_likely", method="early_exit", k=2, sampling=dict(temperature=0.9, top_k=8)
+    ),
 }
 
 
@@ -55,6 +62,31 @@ def target():
 @pytest.fixture(scope="module")
 def draft(target):
     return make_noisy_copy(target, noise=0.02, seed=3)  # accepts ~60% per position
+
+
+#: The word tokenizers of the another-tokenizer config: the draft's lists the target's words in reverse, plus four.
+TARGET_WORDS = list("abcdefghi")
+DRAFT_WORDS = TARGET_WORDS[::-1] + ["xx", "yy", "zz", "ww"]
+
+
+def cross_tokenizer_draft(target):
+    """(target tokenizer, draft tokenizer, draft): the draft is a noisy copy of the target with its vocabulary
+    reordered to the draft tokenizer's ids; the words are shared, so sampling drafts through the vocabulary map
+    (it drafts what the target favours only if the translation is right)."""
+    import copy
+
+    from conftest import make_word_tokenizer
+
+    target_tok, draft_tok = make_word_tokenizer(TARGET_WORDS), make_word_tokenizer(DRAFT_WORDS)
+    draft = copy.deepcopy(make_noisy_copy(target, noise=0.3, seed=5))
+    rows = [0, 1, 2] + [3 + TARGET_WORDS.index(w) for w in DRAFT_WORDS[: len(TARGET_WORDS)]]  # draft id -> target id
+    draft.resize_token_embeddings(len(draft_tok), mean_resizing=False)
+    with torch.no_grad():
+        for table in (draft.get_input_embeddings().weight, draft.get_output_embeddings().weight):
+            source = table[:VOCAB].clone()
+            table.zero_()
+            table[: len(rows)] = source[rows]
+    return target_tok, draft_tok, draft.eval()
 
 
 def exact_joint_law(target, prompt: torch.Tensor, **sampling) -> torch.Tensor:  # [V ** NUM_TOKENS]
@@ -119,6 +151,17 @@ def test_first_tokens_follow_the_target_law(target, draft, name):
     sampling = config["sampling"]
     if config["method"] == "draft":
         spec = hf_specdec.SpecDecoder(draft_model=draft, num_speculative_tokens=config["k"], seed=1234)
+    elif config["method"] == "cross_tokenizer":
+        target_tok, draft_tok, cross_draft = cross_tokenizer_draft(target)
+        spec = hf_specdec.SpecDecoder(
+            draft_model=cross_draft,
+            draft_tokenizer=draft_tok,
+            tokenizer=target_tok,
+            num_speculative_tokens=config["k"],
+            seed=1234,
+        )
+    elif config["method"] == "early_exit":  # the first of the target's two layers drafts
+        spec = hf_specdec.SpecDecoder(early_exit_layers=1, num_speculative_tokens=config["k"], seed=1234)
     else:
         spec = hf_specdec.SpecDecoder(
             method="ngram", num_speculative_tokens=config["k"], prompt_lookup_max=3, seed=1234

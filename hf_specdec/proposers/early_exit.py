@@ -1,0 +1,94 @@
+"""`EarlyExitProposer`: LayerSkip self-speculation, the target's first N layers plus its LM head draft.
+
+This is HF's `assistant_early_exit=N` (`EarlyExitCandidateGenerator`), batched. Like HF, each draft forward runs
+the target with `config.num_hidden_layers` set to N for the duration of the call (the decoder loops over
+`self.layers[: config.num_hidden_layers]`, then applies its final norm and head), and the draft keeps its own
+N-layer `DynamicCache` through a `CacheView`, exactly as `DraftModelProposer` does for a separate draft. A
+separate cache costs the draft's prefill over N layers but keeps the two caches independent: the target's
+verify and rollback never depend on what the draft has seen, so exactness needs no new argument (see
+docs/design.md "Early exit" for why we do not share the first N layers' KV as the LayerSkip paper does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from hf_specdec.batch import RaggedBatch
+from hf_specdec.cache import CacheView
+from hf_specdec.proposers.draft_model import DraftModelProposer
+
+
+def check_early_exit(model: PreTrainedModel, num_layers: int) -> None:
+    """Raise a clear error when `model` cannot draft with its first `num_layers` layers."""
+    total = getattr(_base_config(model), "num_hidden_layers", None)
+    if not isinstance(total, int):
+        raise NotImplementedError(
+            f"{type(model).__name__} has no config.num_hidden_layers, which early exit sets to truncate the model: "
+            "use a draft model or prompt lookup instead."
+        )
+    if not 1 <= num_layers < total:
+        raise ValueError(
+            f"assistant_early_exit={num_layers} must be in 1..{total - 1} for {type(model).__name__}, which has "
+            f"{total} layers: the draft runs the first N layers, so N must leave at least one layer out."
+        )
+    # Probe with one token: a model whose forward ignores config.num_hidden_layers would draft with every layer.
+    probe = DynamicCache()
+    with torch.no_grad(), truncated(model, num_layers):
+        model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=model.device), past_key_values=probe, use_cache=True)
+    if len(probe.layers) != num_layers:
+        raise _ignores_truncation(model, len(probe.layers), num_layers)
+
+
+def _ignores_truncation(model: PreTrainedModel, ran: int, asked: int) -> NotImplementedError:
+    return NotImplementedError(
+        f"{type(model).__name__} ignores config.num_hidden_layers in its forward (it ran {ran} layers, not {asked}), "
+        "so it cannot exit early: use a draft model or prompt lookup instead."
+    )
+
+
+def _base_config(model: PreTrainedModel):  # noqa: ANN202
+    base = getattr(model, model.base_model_prefix, model)
+    return base.config
+
+
+@contextlib.contextmanager
+def truncated(model: PreTrainedModel, num_layers: int) -> Iterator[None]:
+    """Run `model` with only its first `num_layers` decoder layers (HF's early-exit switch), restored afterwards."""
+    config = _base_config(model)
+    original = config.num_hidden_layers
+    config.num_hidden_layers = num_layers
+    try:
+        yield
+    finally:
+        config.num_hidden_layers = original
+
+
+class _EarlyExitView(CacheView):
+    """A `CacheView` whose forwards run the first `num_layers` layers of the model only."""
+
+    def __init__(self, model: PreTrainedModel, batch_size: int, pad_lengths: torch.Tensor, num_layers: int) -> None:
+        super().__init__(model, batch_size, pad_lengths)
+        self.num_layers = num_layers
+
+    def forward(self, token_ids, num_new, logits_to_keep=None):  # noqa: ANN001, ANN201
+        with truncated(self.model, self.num_layers):
+            logits = super().forward(token_ids, num_new, logits_to_keep)
+        if len(self.cache.layers) != self.num_layers:
+            raise _ignores_truncation(self.model, len(self.cache.layers), self.num_layers)
+        return logits
+
+
+class EarlyExitProposer(DraftModelProposer):
+    """The target's first `num_layers` layers and its head draft k tokens per row; batched, own N-layer cache."""
+
+    def __init__(self, model: PreTrainedModel, num_layers: int, num_speculative_tokens: int, confidence_threshold=None):  # noqa: ANN001
+        check_early_exit(model, num_layers)
+        super().__init__(model, num_speculative_tokens, confidence_threshold)
+        self.num_layers = num_layers
+
+    def new_view(self, batch: RaggedBatch) -> CacheView:
+        return _EarlyExitView(self.draft_model, batch.batch_size, batch.pad_lengths, self.num_layers)
