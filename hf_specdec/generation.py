@@ -90,7 +90,7 @@ def generate(
     check_supported_cache(model)
     _check_call(model, input_ids, generation_config, model_kwargs)
     if spec.draft_model is not None:
-        check_supported_cache(spec.draft_model, role="draft")
+        check_supported_cache(spec.draft_model, role="draft", needs_positions=not model.config.is_encoder_decoder)
     check_speculation_type(getattr(generation_config, "speculation_type", None))
     streamer = spec_streamer if spec_streamer is not None else spec.streamer
     tokenizer = spec_tokenizer if spec_tokenizer is not None else spec.tokenizer

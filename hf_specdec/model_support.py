@@ -38,8 +38,11 @@ def model_layer_types(model: PreTrainedModel) -> list[str]:
     return ["sliding_attention" if getattr(config, "sliding_window", None) is not None else "full_attention"]
 
 
-def check_supported_cache(model: PreTrainedModel, role: str = "target") -> None:
-    """Raise a clear error, before any model work, if `model`'s cache is not one hf_specdec rolls back exactly."""
+def check_supported_cache(model: PreTrainedModel, role: str = "target", needs_positions: bool = True) -> None:
+    """Raise a clear error, before any model work, if `model`'s cache is not one hf_specdec rolls back exactly.
+
+    `needs_positions=False` for the drafts of encoder-decoder targets: `hf_specdec.seq2seq` sets their positions
+    itself (a hook on the decoder's position table), for decoders whose forward takes no `position_ids`."""
     name = type(model).__name__
     if model.config.is_encoder_decoder:
         return  # encoder-decoder targets are checked (and refused or routed) by the generate entry
@@ -57,7 +60,7 @@ def check_supported_cache(model: PreTrainedModel, role: str = "target") -> None:
             "attention keys and values, which speculative decoding cannot roll back exactly in hf_specdec: "
             "generate without speculation for this model."
         )
-    for needed in ("position_ids", "attention_mask"):
+    for needed in ("position_ids", "attention_mask") if needs_positions else ():
         if needed not in parameters:
             raise NotImplementedError(
                 f"The {role} model {name} does not take `{needed}`, which hf_specdec passes explicitly to keep "

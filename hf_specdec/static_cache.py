@@ -87,9 +87,10 @@ class StaticCacheView(CacheView):
         write = self.offset + offsets  # [w] the columns this forward writes
         self.column_index.index_copy_(1, write, torch.where(real, index, -1))
         mask = self._attention_mask(torch.where(valid, index, -1), self.column_index, write)
-        for layer in self.cache.layers:  # the write offset of every layer (a device copy: no host sync)
-            if getattr(layer, "is_initialized", False):
-                layer.cumulative_length.copy_(self.offset)
+        # The write offset of every layer: one fused device copy (no host sync, one launch for all layers).
+        counters = [layer.cumulative_length for layer in self.cache.layers if getattr(layer, "is_initialized", False)]
+        if counters:
+            torch._foreach_copy_(counters, [self.offset] * len(counters))
         call = self.model if not self.prefilled or self.compiled_call is None else self.compiled_call
         compiled_before = 0
         if call is not self.model:
