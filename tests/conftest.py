@@ -268,43 +268,26 @@ def make_seq2seq(arch: str, seed: int = 0, decoder_layers: int = 2, vocab: int =
         T5ForConditionalGeneration,
     )
 
+    shared = dict(
+        vocab_size=vocab,
+        d_model=32,
+        encoder_layers=1,
+        decoder_layers=decoder_layers,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_position_embeddings=64,
+        pad_token_id=PAD_ID,
+        eos_token_id=EOS_ID,
+        forced_eos_token_id=None,
+        init_std=0.4,
+    )
     if arch == "marian":
-        config = MarianConfig(
-            vocab_size=vocab,
-            d_model=32,
-            encoder_layers=1,
-            decoder_layers=decoder_layers,
-            encoder_attention_heads=2,
-            decoder_attention_heads=2,
-            encoder_ffn_dim=64,
-            decoder_ffn_dim=64,
-            max_position_embeddings=64,
-            pad_token_id=PAD_ID,
-            eos_token_id=EOS_ID,
-            decoder_start_token_id=PAD_ID,
-            forced_eos_token_id=None,
-            init_std=0.4,
-        )
+        config = MarianConfig(**shared, decoder_start_token_id=PAD_ID)
         cls = MarianMTModel
     elif arch == "bart":
-        config = BartConfig(
-            vocab_size=vocab,
-            d_model=32,
-            encoder_layers=1,
-            decoder_layers=decoder_layers,
-            encoder_attention_heads=2,
-            decoder_attention_heads=2,
-            encoder_ffn_dim=64,
-            decoder_ffn_dim=64,
-            max_position_embeddings=64,
-            pad_token_id=PAD_ID,
-            bos_token_id=1,
-            eos_token_id=EOS_ID,
-            decoder_start_token_id=EOS_ID,
-            forced_bos_token_id=None,
-            forced_eos_token_id=None,
-            init_std=0.4,
-        )
+        config = BartConfig(**shared, bos_token_id=1, decoder_start_token_id=EOS_ID, forced_bos_token_id=None)
         cls = BartForConditionalGeneration
     else:
         config = T5Config(
