@@ -22,6 +22,7 @@ from hf_specdec.continuation import CacheHandoff
 from hf_specdec.exact import ExactPath
 from hf_specdec.metrics import SpecDecodeStats
 from hf_specdec.proposers.base import Proposal, Proposer
+from hf_specdec.proposers.draft_model import draft_position_limit
 from hf_specdec.sampling import random as row_random
 from hf_specdec.sampling.processors import StepSampling
 from hf_specdec.sampling.rejection import rejection_sample
@@ -137,11 +138,17 @@ class SpeculativeLoop:
         """Seconds one target forward of `width` tokens per row takes right now; the forward is then undone.
 
         It feeds whatever the scratch space past each row's tokens holds (its cost does not depend on the ids)
-        and rolls the cache back, so the sequences, the caches and the stats are as before.
+        and rolls the cache back, so the sequences, the caches and the stats are as before. A row near the
+        target's position limit (learned positions, e.g. GPT-2's `n_positions`) is fed fewer slots, never a
+        position the model was not built for.
         """
         if self.static is not None:  # a static verify runs at width 1 or 1 + k: those are the costs to know
             width = 1 if width == 1 else 1 + self.k
         num_new = torch.full((self.batch.batch_size,), width, dtype=torch.long, device=self.batch.device)
+        limit = draft_position_limit(self.model)
+        if limit is not None:  # the slots fed start at the newest token (position seq_len - 1)
+            seq_lengths = self.batch.lengths - self.batch.pad_lengths  # [B]
+            num_new = torch.minimum(num_new, (limit - seq_lengths + 1).clamp(min=1))
         synchronize = torch.cuda.synchronize if self.batch.device.type == "cuda" else (lambda: None)
         synchronize()
         start = time.perf_counter()

@@ -70,7 +70,15 @@ def _spec_from_kwargs(model: PreTrainedModel, kwargs: dict[str, Any]) -> SpecDec
     spec = kwargs.pop("spec_decoder", None)
     config = kwargs.get("generation_config") or model.generation_config
     assistant = kwargs.pop("assistant_model", None)
-    lookup = kwargs.pop("prompt_lookup_num_tokens", None) or getattr(config, "prompt_lookup_num_tokens", None)
+    lookup = kwargs.pop("prompt_lookup_num_tokens", None)
+    if lookup is None:
+        lookup = getattr(config, "prompt_lookup_num_tokens", None)
+    if lookup is not None and (isinstance(lookup, bool) or not isinstance(lookup, int) or lookup < 1):
+        # Stock transformers refuses it too ("Invalid max_matching_ngram_size or num_output_tokens").
+        raise ValueError(
+            f"prompt_lookup_num_tokens={lookup!r} is invalid: it is the number of draft tokens prompt lookup proposes "
+            "per step and must be an int >= 1 (typical values: 3-10); leave it out to decode without prompt lookup."
+        )
     use_mtp = kwargs.pop("use_mtp", None) or getattr(config, "use_mtp", None)
     early_exit = kwargs.pop("assistant_early_exit", None)
     early_exit = early_exit if early_exit is not None else getattr(config, "assistant_early_exit", None)

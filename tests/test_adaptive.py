@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_noisy_copy, make_prompts, spec_generate
+from conftest import make_model, make_noisy_copy, make_prompts, spec_generate
 
 import hf_specdec
 from hf_specdec import adaptive
@@ -259,3 +259,20 @@ def test_adaptive_sampling_runs_with_a_seed(llama, llama_draft):
 def test_bad_schedule_name_says_what_to_pass():
     with pytest.raises(ValueError, match="'adaptive'.*got 'fast'|got 'fast'"):
         hf_specdec.SpecDecoder(method="ngram", num_speculative_tokens_schedule="fast")
+
+
+@pytest.mark.parametrize("room", [1, 2, 3, 4])
+def test_calibration_never_feeds_past_a_learned_position_limit(room):
+    """GPT-2 with n_positions=64: prompts ending `room` positions before the limit calibrate (a fresh model each
+    time, so its first call times every width) without a position past the table, and match plain generate."""
+    target = make_model("gpt2", seed=0, n_positions=64)
+    draft = make_model("gpt2", seed=1, layers=1, hidden=32, n_positions=64)
+    ids = torch.randint(3, 90, (2, 64 - room), generator=torch.Generator().manual_seed(room))
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    expected = target.generate(**inputs, max_new_tokens=room, do_sample=False, eos_token_id=None)
+    for spec in (
+        hf_specdec.SpecDecoder(draft_model=draft, num_speculative_tokens=4, num_speculative_tokens_schedule="adaptive"),
+        hf_specdec.SpecDecoder(method="ngram", num_speculative_tokens=4, num_speculative_tokens_schedule="adaptive"),
+    ):
+        out = spec_generate(target, inputs, spec, max_new_tokens=room, do_sample=False, eos_token_id=None)
+        assert torch.equal(out, expected), spec.method

@@ -118,3 +118,17 @@ def test_plain_calls_are_untouched_when_installed(target, installed):
     inputs = make_prompts(3, seed=3)
     out = target.generate(**inputs, do_sample=False, max_new_tokens=MAX_NEW)
     assert torch.equal(out, plain_greedy(target, inputs))
+
+
+@pytest.mark.parametrize("value", [0, -2])
+def test_prompt_lookup_num_tokens_below_one_is_refused_as_stock_does(llama, value):
+    """Stock transformers raises for prompt_lookup_num_tokens=0; after install() it must not silently run plain."""
+    inputs = make_prompts(1)
+    with pytest.raises(ValueError, match="Invalid max_matching_ngram_size or num_output_tokens"):
+        llama.generate(**inputs, max_new_tokens=4, prompt_lookup_num_tokens=value)
+    hf_specdec.install()
+    try:
+        with pytest.raises(ValueError, match=f"prompt_lookup_num_tokens={value} is invalid"):
+            llama.generate(**inputs, max_new_tokens=4, prompt_lookup_num_tokens=value)
+    finally:
+        hf_specdec.uninstall()
