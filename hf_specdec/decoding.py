@@ -333,13 +333,13 @@ class SpeculativeLoop:
         if self.streamer is None:
             return
         final_length = self.stop_rules.final_length(self.final_lengths, self.batch, self.live())
-        lengths = self.batch.lengths[~self.frozen]  # [B_live]
-        safe = int(lengths.min().item()) if lengths.numel() else final_length
+        # One host read of [3, B]: each row's length, caller row id and whether it is frozen (static caches).
+        lengths, row_ids, frozen = torch.stack([self.batch.lengths, self.batch.row_ids, self.frozen.long()]).tolist()
+        live = {row: i for i, (row, f) in enumerate(zip(row_ids, frozen)) if not f}
+        safe = min((lengths[i] for i in live.values()), default=final_length)
         safe = min(safe, final_length)
         if safe <= self.streamed:
             return
-        frozen = self.frozen.tolist()
-        live = {int(r): i for i, r in enumerate(self.batch.row_ids.tolist()) if not frozen[i]}
         block = self.sequences[:, self.streamed : safe].clone()  # [B_total, n]
         for row, i in live.items():
             block[row] = self.batch.token_ids[i, self.streamed : safe]

@@ -57,9 +57,10 @@ class ExactPath:
         padded after their end as plain `generate` pads them.
         """
         batch = loop.batch
-        length = int(batch.lengths[0])
-        if bool((batch.lengths != length).any()):
-            raise AssertionError(f"the exact path needs rows in lockstep, got lengths {batch.lengths.tolist()}")
+        lengths = batch.lengths.tolist()  # one host read: the block's length, and the lockstep invariant
+        length = lengths[0]
+        if any(n != length for n in lengths):
+            raise AssertionError(f"the exact path needs rows in lockstep, got lengths {lengths}")
         total = loop.sequences.shape[0]
         view = torch.full((total, length + width), self.pad_token_id, dtype=torch.long, device=batch.device)
         done = min(length, loop.sequences.shape[1])
