@@ -154,17 +154,19 @@ class CrossTokenizerProposer(Proposer):
             at = lengths.clamp(max=self.draft_ids.shape[1] - 1)
             self.draft_ids[index, at] = torch.where(drafting, tokens, self.draft_ids[index, at])
             lengths = lengths + drafting.long()
-        known = [self.draft_ids[i, : int(self.draft_lengths[i])].tolist() for i in rows]
-        drafted = [self.draft_ids[i, int(self.draft_lengths[i]) : int(lengths[i])].tolist() for i in rows]
+        # One host read of the rows' draft tokens and lengths and budgets (the translation is host work).
+        ids_host = self.draft_ids[rows].tolist()
+        starts, ends, budgets = torch.stack([self.draft_lengths[rows], lengths[rows], budget[rows]]).tolist()
+        known = [row[:start] for row, start in zip(ids_host, starts)]
+        drafted = [row[start:end] for row, start, end in zip(ids_host, starts, ends)]
         translated = draft_text_to_target_ids(self.target_tokenizer, self.draft_tokenizer, known, drafted)
-        draft_token_ids = torch.full((batch.batch_size, k), -1, dtype=torch.long, device=batch.device)  # [B, k]
-        for i, ids in zip(rows, translated):
-            ids = ids[: int(budget[i])]
-            if ids:
-                draft_token_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long, device=batch.device)
-        num_draft = (draft_token_ids >= 0).sum(1)  # [B]
-        width = int(num_draft.max().item())
-        return Proposal(draft_token_ids=draft_token_ids[:, :width], num_draft_tokens=num_draft)
+        clipped = [ids[:limit] for ids, limit in zip(translated, budgets)]
+        width = max((len(ids) for ids in clipped), default=0)
+        host_ids = torch.full((batch.batch_size, width), -1, dtype=torch.long)  # [B, k'] built on the host
+        for i, ids in zip(rows, clipped):
+            host_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        draft_token_ids = host_ids.to(batch.device)  # one copy to the device
+        return Proposal(draft_token_ids=draft_token_ids, num_draft_tokens=(draft_token_ids >= 0).sum(1))
 
     def _sample_mapped(
         self,
