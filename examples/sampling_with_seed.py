@@ -2,6 +2,8 @@
 
 Speculative sampling (rejection sampling against the draft) keeps the target's output distribution exactly.
 Row i of a batch uses seed + i, so a row's text depends only on its prompt and seed, not on the batch around it.
+That takes a fixed number of drafts per step: the default adaptive schedule picks draft lengths from step times
+measured on this machine, which changes the draws from run to run (never their distribution).
 
     python examples/sampling_with_seed.py
     python examples/sampling_with_seed.py --tiny
@@ -22,7 +24,9 @@ def main() -> None:
 
     outs = []
     for _ in range(2):
-        spec = hf_specdec.SpecDecoder(method="ngram", num_speculative_tokens=4, seed=0)
+        spec = hf_specdec.SpecDecoder(
+            method="ngram", num_speculative_tokens=4, num_speculative_tokens_schedule="constant", seed=0
+        )
         outs.append(model.generate(**inputs, **settings, custom_generate=hf_specdec.generate, spec_decoder=spec))
     for row in outs[0]:
         print(repr(tokenizer.decode(row[inputs["input_ids"].shape[1] :], skip_special_tokens=True)))

@@ -3,7 +3,8 @@
 Two measured ingredients, both kept per target model across calls (weakly: they go with the model):
 
 - **What a step costs** (`StepCosts`): the first call at a batch size times one target forward of every width
-  1..k+1 (`calibrate`, right after the prefill, three passes, the fastest kept), because on real hardware the
+  1..k+1 (`calibrate`, right after the prefill; the next two calls add a pass each, the fastest kept, so no call
+  pays more than k + 1 extra forwards), because on real hardware the
   cost is far from linear in the width (on a 2-core CPU SmolLM2 takes 61 ms for 1 token, 105 ms for 2, 82 ms
   for 5). The loop's own steps then refine it, per context-length bucket (long contexts make wide verifies
   dearer): a width measured in a bucket costs what it took there; others scale the calibrated forward like the
@@ -24,6 +25,7 @@ their keys; for a draft model it is taken before drafting, from the one key's st
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 import weakref
@@ -36,7 +38,7 @@ from hf_specdec.batch import RaggedBatch
 from hf_specdec.proposers.base import Proposal
 from hf_specdec.schedules import SpeculationSchedule
 
-__all__ = ["AcceptanceStats", "AdaptiveSchedule", "StepCosts", "best_width", "context_bucket"]
+__all__ = ["AcceptanceStats", "AdaptiveSchedule", "StepCosts", "best_width", "context_bucket", "model_serial"]
 
 
 def best_width(
@@ -153,19 +155,20 @@ class StepCosts:
 
     forward: dict[int, float] = field(default_factory=dict)  # width -> seconds of one calibrated target forward
     calibrated: bool = False  # False: borrowed from the nearest calibrated batch size (met mid-call)
+    passes: int = 0  # timing passes done: one per call (the first call pays k + 1 forwards), up to `max_passes`
+    max_passes: int = 3
     contexts: dict[int, MeasuredSteps] = field(default_factory=dict)  # context bucket -> measured steps
     draft_cost: float = 0.0  # seconds per draft token, for proposers that draft only when asked to
     smoothing: float = 0.1  # weight of a new sample
     min_samples: int = 2
     idle_decay: float = 0.99  # per plain step: a drafting cost not re-measured fades (speculation is re-tried)
 
-    def calibrate(self, time_verify: Callable[[int], float], widths: range, passes: int = 3) -> None:
-        """Time a forward of every width in `widths` not yet known (each `passes` times, interleaved; fastest kept)."""
-        missing = [w for w in widths if w not in self.forward]
-        for _ in range(passes):
-            for w in missing:
-                seconds = time_verify(w)
-                self.forward[w] = min(self.forward.get(w, seconds), seconds)
+    def calibrate(self, time_verify: Callable[[int], float], widths: range) -> None:
+        """One timing pass: a forward of every width in `widths`, the fastest of all passes so far kept."""
+        for w in widths:
+            seconds = time_verify(w)
+            self.forward[w] = min(self.forward.get(w, seconds), seconds)
+        self.passes += 1
         self.calibrated = True
 
     def at(self, bucket: int) -> MeasuredSteps:
@@ -215,6 +218,16 @@ class ModelMemory:
 
 #: Per target model (weakly: it goes with the model), shared by every call on it.
 _MEMORY: weakref.WeakKeyDictionary[object, ModelMemory] = weakref.WeakKeyDictionary()
+_SERIALS: weakref.WeakKeyDictionary[object, int] = weakref.WeakKeyDictionary()
+_NEXT_SERIAL = itertools.count()
+
+
+def model_serial(model: object) -> int:
+    """A number that names `model` for as long as it lives and is never reused (`id()` is, once it is freed: a new
+    draft would inherit a dead one's acceptance statistics)."""
+    if model not in _SERIALS:
+        _SERIALS[model] = next(_NEXT_SERIAL)
+    return _SERIALS[model]
 
 
 @dataclass
@@ -271,15 +284,15 @@ class AdaptiveSchedule(SpeculationSchedule):
         self.expected: torch.Tensor | None = None  # [B, K + 1] (host) expected accepted of 0..K drafts, this step
 
     def costs(self, batch_size: int) -> StepCosts:
-        """This batch size's costs: calibrated at a call's first step, else borrowed from the nearest batch size."""
+        """This batch size's costs: timed at a call's first step (one pass per call, the first `max_passes` calls),
+        else borrowed from the nearest batch size."""
         costs = self.memory.costs.get((self.cost_key, batch_size))
         widths = range(1, self.max_k + 2)
-        if costs is not None and costs.calibrated and all(w in costs.forward for w in widths):
-            return costs
-        if self.time_verify is not None:
+        complete = costs is not None and costs.calibrated and all(w in costs.forward for w in widths)
+        if self.time_verify is not None and not (complete and costs.passes >= costs.max_passes):
             costs = costs if costs is not None and costs.calibrated else StepCosts()
             costs.calibrate(self.time_verify, widths)
-        elif costs is None or not all(w in costs.forward for w in widths):
+        elif not complete:
             known = [(abs(b - batch_size), b) for (key, b), c in self.memory.costs.items()
                      if key == self.cost_key and c.calibrated and all(w in c.forward for w in widths)]  # fmt: skip
             if not known:

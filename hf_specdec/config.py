@@ -44,15 +44,16 @@ class SpecDecoder:
         num_speculative_tokens (`int`, defaults to 5):
             Draft tokens per step, k, in 1..32 (the largest k with `num_speculative_tokens_schedule="adaptive"`,
             the starting k with the heuristic schedules).
-        num_speculative_tokens_schedule (`str`, defaults to `"constant"`):
+        num_speculative_tokens_schedule (`str`, defaults to `"adaptive"`):
             How many drafts each row gets per step:
-            - `"constant"`: k every step (fewer only near `max_length` or the draft's position limit).
-            - `"adaptive"`: per step, the number of drafts (0..num_speculative_tokens) that maximises expected
+            - `"adaptive"` (the default): per step, the number of drafts (0..num_speculative_tokens) that maximises expected
               tokens per second, from acceptance measured per kind of draft (for prompt lookup: the matched
               n-gram length) and from step costs measured on this device (the first call on a model times a
               forward of each width once; `hf_specdec.adaptive`). Speculation switches itself off (plain
-              decoding through the same loop) where it does not pay: use it when you want never to be slower
-              than plain decoding.
+              decoding through the same loop) where it does not pay, so the default is never slower than plain
+              decoding beyond noise. The first call on a model spends k + 1 forwards measuring (one more pass on
+              each of the next two calls).
+            - `"constant"`: k every step (fewer only near `max_length` or the draft's position limit).
             - `"heuristic"`: HF's schedule, per row: +2 after a step whose drafts were all accepted, else -1 (at
               least 1, at most 32). The final k is written back to `num_speculative_tokens` (and to the draft's
               `generation_config.num_assistant_tokens`), so it persists across calls like HF's.
@@ -87,7 +88,7 @@ class SpecDecoder:
     mtp_model: Any = None
     early_exit_layers: int | None = None
     num_speculative_tokens: int = 5
-    num_speculative_tokens_schedule: str = "constant"
+    num_speculative_tokens_schedule: str = "adaptive"
     draft_confidence_threshold: float | None = None
     max_draft_len: int | None = None
     prompt_lookup_min: int = 1

@@ -156,6 +156,7 @@ class SpeculativeLoop:
         synchronize()
         seconds = time.perf_counter() - start
         self.target.rollback(self.batch.lengths - 1)
+        self.stats.calibration_time_s += time.perf_counter() - start
         return seconds
 
     def step(self) -> None:

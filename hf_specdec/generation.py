@@ -291,13 +291,13 @@ def build_proposer(
 def _build_schedule(spec: SpecDecoder, model: PreTrainedModel, inner: Proposer) -> SpeculationSchedule | None:
     schedule = spec.num_speculative_tokens_schedule
     if schedule == "adaptive":
-        from hf_specdec.adaptive import AdaptiveSchedule
+        from hf_specdec.adaptive import AdaptiveSchedule, model_serial
 
-        key = {
-            "draft": f"draft:{id(spec.draft_model)}",
-            "mtp": "mtp",
-            "early_exit": f"exit:{spec.early_exit_layers}",
-        }.get(spec.method, f"ngram:{spec.prompt_lookup_min}-{spec.prompt_lookup_max}")
+        key = f"ngram:{spec.prompt_lookup_min}-{spec.prompt_lookup_max}"
+        if spec.method == "draft":
+            key = f"draft:{model_serial(spec.draft_model)}"
+        elif spec.method != "ngram":
+            key = "mtp" if spec.method == "mtp" else f"exit:{spec.early_exit_layers}"
         return AdaptiveSchedule(spec.num_speculative_tokens, model, key, propose_first=inner.proposes_cheaply)
     if schedule.startswith("heuristic"):
 

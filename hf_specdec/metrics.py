@@ -25,6 +25,7 @@ class SpecDecodeStats:
     num_generated_tokens: int = 0  # tokens kept in the outputs, all rows
     wall_time_s: float = 0.0
     time_to_first_token_s: float = 0.0  # from the call's start to the end of step 0 (the prefill's verify)
+    calibration_time_s: float = 0.0  # seconds the adaptive schedule spent timing verify widths (first calls only)
     compile_time_s: float = 0.0  # seconds in forwards that compiled or captured a graph (static caches on a GPU)
     num_compactions: int = 0  # static caches: in-place compactions of holes
     accepted_per_position: list[int] = field(default_factory=list)

@@ -96,38 +96,81 @@ def _spec_from_kwargs(model: PreTrainedModel, kwargs: dict[str, Any]) -> SpecDec
             )
         return spec
     if early_exit is not None:  # HF's precedence: early exit first, drafting with the target itself
-        knobs = {name: _assistant_knob(name, kwargs, config, model) for name in HF_ASSISTANT_DEFAULTS}
         return SpecDecoder(
-            method="early_exit",
-            early_exit_layers=early_exit,
-            num_speculative_tokens=min(int(knobs["num_assistant_tokens"]), MAX_SPECULATIVE_TOKENS),
-            num_speculative_tokens_schedule=knobs["num_assistant_tokens_schedule"],
-            draft_confidence_threshold=float(knobs["assistant_confidence_threshold"]) or None,
+            method="early_exit", early_exit_layers=early_exit, **_assistant_schedule(kwargs, config, model)
         )
     if use_mtp:
-        # HF drafts one token per MTP layer; num_assistant_tokens= asks for more (the layers then cycle).
+        # HF drafts one token per MTP layer; num_assistant_tokens= asks for more (the layers then cycle), with HF's
+        # meaning (a constant k). Without it the adaptive schedule picks 0..layers drafts per step.
         from hf_specdec.proposers.mtp import check_mtp_target
 
-        k = kwargs.pop("num_assistant_tokens", None) or check_mtp_target(model)
-        return SpecDecoder(method="mtp", num_speculative_tokens=min(int(k), MAX_SPECULATIVE_TOKENS))
+        k = _check_positive("num_assistant_tokens", kwargs.pop("num_assistant_tokens", None))
+        schedule = "adaptive" if k is None else "constant"
+        k = min(k or int(check_mtp_target(model)), MAX_SPECULATIVE_TOKENS)
+        return SpecDecoder(method="mtp", num_speculative_tokens=k, num_speculative_tokens_schedule=schedule)
     if assistant is not None:
-        knobs = {name: _assistant_knob(name, kwargs, config, assistant) for name in HF_ASSISTANT_DEFAULTS}
         # HF's universal assisted generation: another tokenizer when both tokenizers are given (drafts go through
         # text; no confidence threshold, as the draft's probabilities are over another vocabulary).
         draft_tokenizer = kwargs.pop("assistant_tokenizer", None) if kwargs.get("tokenizer") is not None else None
+        schedule = _assistant_schedule(kwargs, config, assistant)
         if draft_tokenizer is not None:
-            knobs["assistant_confidence_threshold"] = 0
-        return SpecDecoder(
-            draft_model=assistant,
-            draft_tokenizer=draft_tokenizer,
-            num_speculative_tokens=min(int(knobs["num_assistant_tokens"]), MAX_SPECULATIVE_TOKENS),
-            num_speculative_tokens_schedule=knobs["num_assistant_tokens_schedule"],
-            draft_confidence_threshold=float(knobs["assistant_confidence_threshold"]) or None,
-        )
+            schedule["draft_confidence_threshold"] = None
+        return SpecDecoder(draft_model=assistant, draft_tokenizer=draft_tokenizer, **schedule)
     if lookup:
-        max_n = kwargs.pop("max_matching_ngram_size", None) or getattr(config, "max_matching_ngram_size", None) or 2
-        return SpecDecoder(method="ngram", num_speculative_tokens=int(lookup), prompt_lookup_max=int(max_n))
+        max_n = kwargs.pop("max_matching_ngram_size", None)
+        max_n = _check_positive(
+            "max_matching_ngram_size", max_n if max_n is not None else getattr(config, "max_matching_ngram_size", None)
+        )
+        # HF's prompt lookup has no schedule: k = prompt_lookup_num_tokens every step. Here it is the most drafts the
+        # adaptive schedule may give a row, unless the caller names a schedule (num_assistant_tokens_schedule=).
+        named = kwargs.pop("num_assistant_tokens_schedule", None) or getattr(
+            config, "num_assistant_tokens_schedule", None
+        )
+        return SpecDecoder(
+            method="ngram",
+            num_speculative_tokens=min(lookup, MAX_SPECULATIVE_TOKENS),
+            prompt_lookup_max=max_n or 2,
+            num_speculative_tokens_schedule=named or "adaptive",
+        )
     return None
+
+
+def _check_positive(name: str, value: Any) -> int | None:
+    """`value` as an int >= 1, or None when not given; anything else is refused as stock transformers refuses it."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"{name}={value!r} is invalid: it must be an int >= 1 (it is a number of draft tokens or an n-gram size); "
+            f"leave it out to use the default."
+        )
+    return value
+
+
+def _assistant_schedule(kwargs: dict[str, Any], config: GenerationConfig, assistant: PreTrainedModel) -> dict[str, Any]:
+    """The SpecDecoder schedule settings for HF's assistant knobs (`num_assistant_tokens`, its schedule and the
+    confidence threshold), popped from the call's kwargs.
+
+    When the caller set none of them (in the call, the target's generation_config or the assistant's), the adaptive
+    schedule with `SpecDecoder`'s default k: it speculates only where that pays. When any is set, HF's meaning:
+    each knob resolved as HF resolves it, with HF's defaults for the others (k = 20, constant, threshold 0.4).
+    """
+    knobs: dict[str, Any] = {}
+    for name in HF_ASSISTANT_DEFAULTS:
+        value = kwargs.pop(name, None)
+        for source in (config, getattr(assistant, "generation_config", None)):
+            if value is None:
+                value = getattr(source, name, None)
+        knobs[name] = value
+    if all(value is None for value in knobs.values()):
+        return {"num_speculative_tokens_schedule": "adaptive"}
+    knobs = {name: HF_ASSISTANT_DEFAULTS[name] if value is None else value for name, value in knobs.items()}
+    k = _check_positive("num_assistant_tokens", knobs["num_assistant_tokens"])
+    return {
+        "num_speculative_tokens": min(k, MAX_SPECULATIVE_TOKENS),
+        "num_speculative_tokens_schedule": knobs["num_assistant_tokens_schedule"],
+        "draft_confidence_threshold": float(knobs["assistant_confidence_threshold"]) or None,
+    }
 
 
 #: HF's assistant knobs and transformers' defaults for them (`GenerationConfig._get_default_generation_params`).
@@ -136,12 +179,3 @@ HF_ASSISTANT_DEFAULTS = {
     "num_assistant_tokens_schedule": "constant",
     "assistant_confidence_threshold": 0.4,
 }
-
-
-def _assistant_knob(name: str, kwargs: dict[str, Any], config: GenerationConfig, assistant: PreTrainedModel) -> Any:
-    """An assistant knob as HF resolves it: the call's kwarg, the target's generation_config, the assistant's, default."""
-    value = kwargs.pop(name, None)
-    for source in (config, getattr(assistant, "generation_config", None)):
-        if value is None:
-            value = getattr(source, name, None)
-    return HF_ASSISTANT_DEFAULTS[name] if value is None else value

@@ -80,7 +80,7 @@ def test_acceptance_stats_start_at_the_prior_and_drift_back_to_it():
     assert float(stats.survival(torch.tensor([3]))[0, 2]) > 0.9
 
 
-def test_step_costs_calibrate_keep_the_fastest_pass_and_only_missing_widths():
+def test_step_costs_calibrate_one_pass_at_a_time_keeping_the_fastest():
     samples = iter([3.0, 5.0, 2.0, 4.0, 9.0, 9.0])  # passes: (w1, w2), (w1, w2), (w1, w2)
     calls = []
 
@@ -89,10 +89,23 @@ def test_step_costs_calibrate_keep_the_fastest_pass_and_only_missing_widths():
         return next(samples)
 
     costs = StepCosts()
-    costs.calibrate(time_verify, range(1, 3))
-    assert costs.forward == {1: 2.0, 2: 4.0} and calls == [1, 2, 1, 2, 1, 2]
-    costs.calibrate(lambda w: 1.0, range(1, 4), passes=1)
-    assert costs.forward == {1: 2.0, 2: 4.0, 3: 1.0}
+    for _ in range(3):
+        costs.calibrate(time_verify, range(1, 3))
+    assert costs.forward == {1: 2.0, 2: 4.0} and calls == [1, 2, 1, 2, 1, 2] and costs.passes == 3
+
+
+def test_adaptive_schedule_times_one_pass_per_call_for_the_first_calls_only():
+    """The first call on a model pays k + 1 timing forwards, the next two one pass each, later calls none."""
+
+    class Model:  # any weak-referenceable object stands for the target
+        pass
+
+    model, timed = Model(), []
+    for call in range(5):
+        schedule = AdaptiveSchedule(2, model, "ngram:1-4", propose_first=True)
+        schedule.calibrate(lambda width, call=call: timed.append(call) or 1.0)
+        schedule.costs(batch_size=1)
+    assert timed == [0, 0, 0, 1, 1, 1, 2, 2, 2]
 
 
 def test_step_costs_measure_widths_and_scale_the_others():
@@ -276,3 +289,20 @@ def test_calibration_never_feeds_past_a_learned_position_limit(room):
     ):
         out = spec_generate(target, inputs, spec, max_new_tokens=room, do_sample=False, eos_token_id=None)
         assert torch.equal(out, expected), spec.method
+
+
+def test_model_serial_names_a_model_and_is_never_reused():
+    """Statistics are kept per draft model; `id()` of a freed draft is reused by the next one, a serial is not."""
+    import gc
+
+    from hf_specdec.adaptive import model_serial
+
+    class Model:
+        pass
+
+    first = Model()
+    serial = model_serial(first)
+    assert model_serial(first) == serial
+    del first
+    gc.collect()
+    assert model_serial(Model()) != serial

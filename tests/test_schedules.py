@@ -69,8 +69,11 @@ def test_kwargs_and_configs_resolve_like_hf(llama, noisy_draft):
     assert (spec.num_speculative_tokens, spec.num_speculative_tokens_schedule) == (2, "constant")
     assert spec.draft_confidence_threshold is None and kwargs == {}
     bare = copy.deepcopy(noisy_draft)
-    spec = _spec_from_kwargs(llama, {"assistant_model": bare})  # transformers' defaults
-    assert (spec.num_speculative_tokens, spec.num_speculative_tokens_schedule) == (20, "constant")
+    spec = _spec_from_kwargs(llama, {"assistant_model": bare})  # no knob named: hf_specdec's adaptive default
+    assert (spec.num_speculative_tokens, spec.num_speculative_tokens_schedule) == (5, "adaptive")
+    assert spec.draft_confidence_threshold is None
+    spec = _spec_from_kwargs(llama, {"assistant_model": bare, "num_assistant_tokens": 3})  # HF's defaults for the rest
+    assert (spec.num_speculative_tokens, spec.num_speculative_tokens_schedule) == (3, "constant")
     assert spec.draft_confidence_threshold == 0.4
 
 

@@ -27,23 +27,22 @@ __all__ = [
 ]  # fmt: skip
 
 #: hf_specdec methods, transformers' stock methods, and the baseline. ``hf-stock`` expands to hf-ngram (+ hf-draft).
-#: Variants of the hf_specdec methods: ``ngram-k4`` (fixed k = 4, overriding ``k``) and ``ngram-adaptive``
-#: (`num_speculative_tokens_schedule="adaptive"`, k in 0..``k``), likewise for ``draft`` and ``mtp``.
+#: Variants of the hf_specdec methods: a bare name (``ngram``) is the library's default, the adaptive schedule with
+#: k in 0..``k``, as is ``ngram-adaptive``; ``ngram-k4`` is a fixed k = 4 (overriding ``k``); ``ngram-heuristic``
+#: HF's heuristic schedule from ``k``; likewise for ``draft`` and ``mtp``.
 SPEC_METHODS = ("ngram", "draft", "mtp")
 HF_METHODS = ("hf-ngram", "hf-draft")
 METHODS = ("plain", *SPEC_METHODS, *HF_METHODS, "hf-stock")
 
 
 def spec_variant(method: str) -> tuple[str, int | None, str] | None:
-    """``ngram`` -> (ngram, None, constant); ``ngram-k4`` -> (ngram, 4, constant); ``ngram-adaptive`` ->
-    (ngram, None, adaptive); None for a name that is not an hf_specdec method."""
+    """``ngram`` and ``ngram-adaptive`` -> (ngram, None, adaptive); ``ngram-k4`` -> (ngram, 4, constant);
+    ``ngram-heuristic`` -> (ngram, None, heuristic); None for a name that is not an hf_specdec method."""
     base, _, variant = method.partition("-")
     if base not in SPEC_METHODS:
         return None
-    if not variant:
-        return base, None, "constant"
-    if variant == "adaptive":
-        return base, None, "adaptive"
+    if variant in ("", "adaptive", "heuristic"):
+        return base, None, variant or "adaptive"
     if variant.startswith("k") and variant[1:].isdigit() and 1 <= int(variant[1:]) <= 32:
         return base, int(variant[1:]), "constant"
     return None

@@ -87,12 +87,23 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     demo = sub.add_parser("demo", help="plain vs speculative (prompt lookup) decoding on SmolLM2, offline",
-                          description="Run three built-in prompts (a summary, a code edit, a chat answer) on "
-                                      "SmolLM2-135M-Instruct with plain greedy decoding and with hf_specdec's n-gram "
-                                      "speculation, stream the speculative text and print a comparison table.")  # fmt: skip
+                          description="Run five built-in prompts (four whose answers copy from the prompt, one chat "
+                                      "answer that copies nothing) on SmolLM2-135M-Instruct with plain greedy decoding "
+                                      "and with hf_specdec's n-gram speculation, each timed as the median of "
+                                      "interleaved runs after a warm-up; stream the speculative text and print a "
+                                      "comparison table with an overall row and a verdict.")  # fmt: skip
     demo.set_defaults(subparser=demo)
     _add_common(demo, default_new_tokens=96)
     demo.add_argument("--no-stream", action="store_true", help="print each answer at the end instead of streaming")
+    demo.add_argument("--schedule", default="adaptive", choices=["adaptive", "constant", "heuristic"],
+                      help="how many drafts per step: adaptive (default: only where drafts pay), constant (always k) "
+                           "or heuristic (HF's +2 / -1 rule)")  # fmt: skip
+    demo.add_argument("--repeats", type=_bounded_int(1, None, "--repeats"), default=3, metavar="N",
+                      help="timed runs per method and prompt, interleaved; the median counts (default: 3)")  # fmt: skip
+    demo.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="(default: cpu)")
+    demo.add_argument("--threads", type=_bounded_int(1, None, "--threads"), default=None, metavar="N",
+                      help="torch threads (default: at most the free cores; OMP_NUM_THREADS is respected)")  # fmt: skip
+    demo.add_argument("--json", default=None, metavar="FILE.json", help="also write the results as JSON")
 
     gen = sub.add_parser("generate", help="generate text with speculative decoding",
                          description="Generate completions with hf_specdec (chat template applied when the tokenizer "
@@ -168,8 +179,24 @@ def _sampling_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     from hf_specdec.tools.demo import run_demo
+    from hf_specdec.tools.threads import configure_threads
 
-    run_demo(max_new_tokens=args.max_new_tokens, k=args.k, stream=not args.no_stream)
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda was asked for but torch sees no CUDA GPU: drop --device (CPU).")
+    else:
+        print(configure_threads(args.threads))
+    run_demo(
+        max_new_tokens=args.max_new_tokens,
+        k=args.k,
+        schedule=args.schedule,
+        repeats=args.repeats,
+        stream=not args.no_stream,
+        device=args.device,
+        json_path=args.json,
+    )
     return 0
 
 

@@ -1,20 +1,25 @@
-"""The ``hf-specdec demo``: plain greedy decoding vs hf_specdec prompt lookup on SmolLM2, side by side.
+"""The ``hf-specdec demo``: plain greedy decoding vs hf_specdec prompt lookup on SmolLM2, side by side, honestly timed.
 
-For each built-in prompt (a summary that copies from its input, a code edit, a chat answer) the demo runs plain
-`model.generate`, then hf_specdec's n-gram speculation while streaming its text, and prints a table of tokens/s,
-speedup, acceptance rate, mean accepted length and whether the two outputs are token-for-token identical.
-`print_table` is shared with the CLI (rich when installed, plain text otherwise).
+For each built-in prompt (four whose answers copy from the prompt, one chat question whose answer copies nothing)
+the demo times plain `model.generate` and hf_specdec's n-gram speculation (the adaptive schedule unless told
+otherwise) as the median of several interleaved runs after a warm-up, streams the first speculative answer, and
+prints a table (tok/s, speedup, acceptance, mean accepted length, identical outputs), an overall row and a one-line
+verdict. `print_table` is shared with the CLI (rich when installed, plain text otherwise).
 """
 
 from __future__ import annotations
 
+import json
+import statistics
 import sys
+from contextlib import contextmanager, nullcontext
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from hf_specdec.tools.benchmarking import generate_batch
 from hf_specdec.tools.prompts import DEMO_PROMPTS, Prompt
 
-__all__ = ["print_table", "run_demo"]
+__all__ = ["DemoRow", "overall", "print_table", "run_demo", "verdict"]
 
 
 def print_table(title: str, headers: list[str], rows: list[list[Any]], file: Any = None) -> None:
@@ -50,68 +55,194 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
+@dataclass
+class DemoRow:
+    """One prompt's result: median seconds of each method over the timed runs, and the speculative statistics."""
+
+    prompt: str
+    copies: bool | None  # whether the answer quotes the prompt (where prompt lookup can pay)
+    new_tokens: int
+    plain_s: float  # median wall time of plain generate
+    spec_s: float  # median wall time of hf_specdec
+    acceptance_rate: float
+    mean_accepted_length: float
+    identical: bool  # every speculative output equals plain's, token for token
+
+    @property
+    def speedup(self) -> float:
+        return self.plain_s / self.spec_s
+
+    def cells(self) -> list[Any]:
+        kind = {True: "copies input", False: "free text", None: "-"}[self.copies]
+        return [
+            self.prompt, kind, self.new_tokens / self.plain_s, self.new_tokens / self.spec_s, f"{self.speedup:.2f}x",
+            self.acceptance_rate, self.mean_accepted_length, self.identical,
+        ]  # fmt: skip
+
+
+def overall(rows: list[DemoRow]) -> DemoRow:
+    """All prompts together: total tokens over total median seconds (so long answers weigh more)."""
+    tokens = sum(r.new_tokens for r in rows)
+    spec_s = sum(r.spec_s for r in rows)
+    steps = sum(r.new_tokens / r.mean_accepted_length for r in rows)  # tokens per step, weighted by tokens
+    drafted = [r for r in rows if r.acceptance_rate > 0]
+    return DemoRow(
+        prompt="overall",
+        copies=None,
+        new_tokens=tokens,
+        plain_s=sum(r.plain_s for r in rows),
+        spec_s=spec_s,
+        acceptance_rate=statistics.fmean(r.acceptance_rate for r in drafted) if drafted else 0.0,
+        mean_accepted_length=tokens / steps if steps else 1.0,
+        identical=all(r.identical for r in rows),
+    )
+
+
+def verdict(rows: list[DemoRow]) -> str:
+    """One line that says what the table shows, slower included."""
+    total = overall(rows)
+    same = "outputs identical" if total.identical else "OUTPUTS DIFFER (please report this: it is a bug)"
+    word = "faster" if total.speedup >= 1.0 else "slower"
+    factor = total.speedup if total.speedup >= 1.0 else 1.0 / total.speedup
+    line = f"hf_specdec was {factor:.2f}x {word} than plain decoding overall, {same}."
+    best = max(rows, key=lambda r: r.speedup)
+    if best.speedup > 1.05:
+        line += f" Best: {best.prompt} ({best.speedup:.2f}x)."
+    return line
+
+
+def note(schedule: str) -> str:
+    if schedule == "adaptive":
+        return (
+            "A speedup below 1.00x means slower than plain decoding. With the adaptive schedule that happens only by "
+            "noise: it measures what each verify width costs on this machine and how often drafts are accepted, and "
+            "decodes plainly through the same loop where drafts do not pay (as on a chat answer, which copies nothing)."
+        )
+    return (
+        f"A speedup below 1.00x means slower than plain decoding: the {schedule!r} schedule drafts whether or not it "
+        "pays; the default, --schedule adaptive, speculates only where it does."
+    )
+
+
+@contextmanager
+def _status(text: str, file: Any):  # noqa: ANN202
+    """A transient status line on a terminal (rich), a plain line elsewhere."""
+    try:
+        from rich.console import Console
+    except ImportError:
+        Console = None  # noqa: N806
+    if Console is not None and getattr(file, "isatty", lambda: False)():
+        with Console(file=file).status(text):
+            yield
+        return
+    print(text, file=file, flush=True)
+    yield
+
+
 def run_demo(
     max_new_tokens: int = 96,
     k: int = 5,
+    schedule: str = "adaptive",
+    repeats: int = 3,
     model: Any = None,
     tokenizer: Any = None,
     prompts: list[Prompt] | None = None,
     stream: bool = True,
+    device: str = "cpu",
+    json_path: str | None = None,
     file: Any = None,
-) -> list[dict[str, Any]]:
-    """Run the demo and print its table.
+) -> list[DemoRow]:
+    """Run the demo and print its table, overall row and verdict.
 
     Args:
         max_new_tokens (`int`, *optional*, defaults to 96): tokens generated per prompt.
-        k (`int`, *optional*, defaults to 5): draft tokens per speculative step.
+        k (`int`, *optional*, defaults to 5): most draft tokens per step (every step's with a constant schedule).
+        schedule (`str`, *optional*, defaults to `"adaptive"`): `SpecDecoder.num_speculative_tokens_schedule`.
+        repeats (`int`, *optional*, defaults to 3): timed runs of each method per prompt (interleaved); the median
+            counts. One untimed warm-up of each method comes first.
         model, tokenizer (*optional*): defaults to SmolLM2-135M-Instruct via `hf_specdec.tools.smollm.load_smollm2`.
         prompts (`list[Prompt]`, *optional*): defaults to `DEMO_PROMPTS`.
-        stream (`bool`, *optional*, defaults to `True`): stream the speculative output as it is generated.
+        stream (`bool`, *optional*, defaults to `True`): stream the first speculative answer of each prompt.
+        device (`str`, *optional*, defaults to `"cpu"`): where SmolLM2 runs when `model` is not given.
+        json_path (`str`, *optional*): also write the rows, the overall row and the verdict there as JSON.
         file (*optional*): where to print (defaults to stdout).
 
     Returns:
-        `list[dict]`: one row per prompt with the numbers of the table.
+        `list[DemoRow]`: one row per prompt.
     """
     from transformers import TextStreamer
 
     file = file or sys.stdout
-    if model is None or tokenizer is None:
+    loaded = model is None or tokenizer is None
+    if loaded:
         from hf_specdec.tools.smollm import load_smollm2
 
         print("Loading SmolLM2-135M-Instruct (offline; the first load dequantises the GGUF file)...", file=file)
-        model, tokenizer = load_smollm2()
+        model, tokenizer = load_smollm2(device=device)
     prompts = prompts or DEMO_PROMPTS
+    spec_method = "ngram-" + (schedule if schedule != "constant" else f"k{k}")
     settings = {"max_new_tokens": max_new_tokens, "k": k}
-    for method in ("plain", "ngram"):  # warm-up, untimed
-        generate_batch(model, tokenizer, [prompts[0].text], method, **{**settings, "max_new_tokens": 4})
-    rows: list[dict[str, Any]] = []
+    with _status("Warming up (the adaptive schedule's first calls also time the verify widths)...", file):
+        calibration_s = 0.0
+        for method in ("plain", spec_method, spec_method, spec_method):  # untimed: warm-ups and calibration passes
+            warm = generate_batch(model, tokenizer, [prompts[0].text], method, **{**settings, "max_new_tokens": 8})
+            calibration_s += (warm.stats or {}).get("calibration_time_s", 0.0)
+    rows: list[DemoRow] = []
     for prompt in prompts:
         print(f"\n=== {prompt.category}: {prompt.text.splitlines()[0][:80]}", file=file)
-        plain = generate_batch(model, tokenizer, [prompt.text], "plain", **settings)
-        streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
-        spec = generate_batch(model, tokenizer, [prompt.text], "ngram", streamer=streamer, **settings)
+        plain_runs, spec_runs = [], []
+        for run in range(repeats):
+            with _status(f"plain generate (not streamed), run {run + 1}/{repeats}...", file):
+                plain_runs.append(generate_batch(model, tokenizer, [prompt.text], "plain", **settings))
+            streamer = None
+            if stream and run == 0:
+                print("hf_specdec: ", end="", file=file, flush=True)
+                streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+            with _status(f"hf_specdec, run {run + 1}/{repeats}...", file) if streamer is None else nullcontext():
+                spec_runs.append(
+                    generate_batch(model, tokenizer, [prompt.text], spec_method, streamer=streamer, **settings)
+                )
         if not stream:
-            print(tokenizer.decode(spec.completions[0], skip_special_tokens=True), file=file)
-        stats = spec.stats or {}
-        tps_plain = plain.new_tokens / plain.wall_time_s
-        tps_spec = spec.new_tokens / spec.wall_time_s
+            print(tokenizer.decode(spec_runs[0].completions[0], skip_special_tokens=True), file=file)
+        stats = spec_runs[0].stats or {}
         rows.append(
-            {
-                "prompt": prompt.category,
-                "tokens_per_s_plain": tps_plain,
-                "tokens_per_s_spec": tps_spec,
-                "speedup": tps_spec / tps_plain,
-                "acceptance_rate": stats.get("acceptance_rate"),
-                "mean_accepted_length": stats.get("mean_accepted_length"),
-                "identical": plain.completions == spec.completions,
-            }
+            DemoRow(
+                prompt=prompt.category,
+                copies=prompt.copies,
+                new_tokens=plain_runs[0].new_tokens,
+                plain_s=statistics.median(r.wall_time_s for r in plain_runs),
+                spec_s=statistics.median(r.wall_time_s for r in spec_runs),
+                acceptance_rate=stats.get("acceptance_rate", 0.0),
+                mean_accepted_length=stats.get("mean_accepted_length", 1.0),
+                identical=all(r.completions == plain_runs[0].completions for r in plain_runs + spec_runs),
+            )
         )
+    total = overall(rows)
     print(file=file)
-    headers = ["prompt", "tok/s plain", "tok/s spec", "speedup", "acceptance", "mean acc. len", "identical"]
-    print_table(
-        f"SmolLM2-135M greedy, hf_specdec ngram k={k}, {max_new_tokens} new tokens",
-        headers,
-        [list(r.values()) for r in rows],
-        file=file,
+    headers = ["prompt", "answer", "tok/s plain", "tok/s spec", "speedup", "acceptance", "mean acc. len", "identical"]
+    label = "SmolLM2-135M" if loaded else type(model).__name__
+    title = f"{label} greedy: plain vs hf_specdec prompt lookup ({schedule} schedule, k <= {k})"
+    print_table(title, headers, [r.cells() for r in [*rows, total]], file=file)
+    print(
+        f"{max_new_tokens} new tokens at most per prompt; times are medians of {repeats} interleaved runs.", file=file
     )
+    line = verdict(rows)
+    print(line, file=file)
+    print(note(schedule), file=file)
+    if calibration_s:
+        print(
+            f"The adaptive schedule's first calls spent {calibration_s:.2f} s timing verify widths (once per process; "
+            "in the warm-up here).",
+            file=file,
+        )
+    if json_path:
+        payload = {
+            "settings": {"max_new_tokens": max_new_tokens, "k": k, "schedule": schedule, "repeats": repeats},
+            "rows": [{**asdict(r), "speedup": r.speedup} for r in rows],
+            "overall": {**asdict(total), "speedup": total.speedup},
+            "verdict": line,
+            "calibration_s": calibration_s,
+        }
+        with open(json_path, "w", encoding="utf-8") as fh:
+            json.dump(payload, fh, indent=2)
     return rows

@@ -17,11 +17,13 @@ __all__ = ["DEMO_PROMPTS", "Prompt", "encode_batch", "format_prompt", "read_prom
 
 @dataclass
 class Prompt:
-    """One user prompt: its text, its category (``"default"`` when the file has none) and an id."""
+    """One user prompt: its text, its category (``"default"`` when the file has none), an id, and for the demo's
+    prompts what kind of answer it asks for (``copies`` says whether the answer quotes the prompt)."""
 
     text: str
     category: str = "default"
     question_id: str | int | None = None
+    copies: bool | None = None
 
 
 _ARTICLE = (
@@ -30,27 +32,73 @@ _ARTICLE = (
     "Shop owners worried that removing parking spaces would hurt their business. "
     "The council voted five to two to build the lanes, and construction will start in March."
 )
+_EMAIL = (
+    "Hi team,\n\n"
+    "The quarterly planning meeting will take place on Tuesday at 10 am in room 4B. "
+    "Please bring your project updates, your budget estimates for next quarter and a list of open risks. "
+    "Lunch will be provided after the meeting. If you cannot attend, send your update to Maria by Monday evening.\n\n"
+    "Thanks,\nDaniel"
+)
+_PASSAGE = (
+    "Dr. Alice Moreno leads the marine biology lab at the University of Valencia. Her colleague, Professor Tom "
+    "Becker, directs the ocean chemistry group, and Sara Lindqvist manages the research vessel Aurora. "
+    "In 2024 the three of them published a study on coral bleaching in the Mediterranean Sea."
+)
 _CODE = (
     "def total_price(items):\n"
     "    total = 0\n"
     "    for item in items:\n"
     "        total = total + item['price'] * item['quantity']\n"
-    "    return total\n"
+    "    return total\n\n\n"
+    "def average_price(items):\n"
+    "    if len(items) == 0:\n"
+    "        return 0\n"
+    "    total = 0\n"
+    "    for item in items:\n"
+    "        total = total + item['price']\n"
+    "    return total / len(items)\n\n\n"
+    "def most_expensive(items):\n"
+    "    best = None\n"
+    "    for item in items:\n"
+    "        if best is None or item['price'] > best['price']:\n"
+    "            best = item\n"
+    "    return best\n"
 )
 
-#: The demo's built-in prompts: a summary that copies from its input, a code edit and a chat answer.
+#: The demo's built-in prompts: four whose answers copy from the prompt (where prompt lookup pays) and a chat
+#: question whose answer copies nothing (where it cannot, and the adaptive schedule decodes plainly).
 DEMO_PROMPTS: list[Prompt] = [
     Prompt(
         f"Summarize this article in two sentences, reusing its own wording:\n\n{_ARTICLE}",
         category="summary",
         question_id="summary",
+        copies=True,
     ),
     Prompt(
-        f"Rename the function total_price to compute_total and add a docstring. Return the full code.\n\n{_CODE}",
-        category="code-edit",
-        question_id="code-edit",
+        f"Rewrite this email exactly as it is, changing only the day of the meeting from Tuesday to Thursday:\n\n{_EMAIL}",
+        category="edit",
+        question_id="edit",
+        copies=True,
     ),
-    Prompt("What are three simple tips for staying focused while studying?", category="chat", question_id="chat"),
+    Prompt(
+        f"List every person named in this passage with their role, quoting the passage:\n\n{_PASSAGE}",
+        category="extraction",
+        question_id="extraction",
+        copies=True,
+    ),
+    Prompt(
+        "Refactor this code: rename the parameter items to products in every function and keep everything else "
+        f"the same. Return the full code.\n\n{_CODE}",
+        category="code-refactor",
+        question_id="code-refactor",
+        copies=True,
+    ),
+    Prompt(
+        "What are three simple tips for staying focused while studying?",
+        category="chat",
+        question_id="chat",
+        copies=False,
+    ),
 ]
 
 

@@ -132,3 +132,93 @@ def test_prompt_lookup_num_tokens_below_one_is_refused_as_stock_does(llama, valu
             llama.generate(**inputs, max_new_tokens=4, prompt_lookup_num_tokens=value)
     finally:
         hf_specdec.uninstall()
+
+
+@pytest.mark.library_default
+def test_spec_decoder_defaults_to_the_adaptive_schedule():
+    assert hf_specdec.SpecDecoder().num_speculative_tokens_schedule == "adaptive"
+    named = hf_specdec.SpecDecoder(num_speculative_tokens_schedule="constant")
+    assert named.num_speculative_tokens_schedule == "constant"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "schedule", "k"),
+    [
+        ({"assistant_model": "draft"}, "adaptive", 5),
+        ({"prompt_lookup_num_tokens": 7}, "adaptive", 7),
+        ({"assistant_early_exit": 1}, "adaptive", 5),
+        ({"assistant_model": "draft", "num_assistant_tokens": 6}, "constant", 6),
+        ({"assistant_model": "draft", "num_assistant_tokens_schedule": "heuristic"}, "heuristic", 20),
+        ({"assistant_model": "draft", "assistant_confidence_threshold": 0.3}, "constant", 20),
+        ({"assistant_model": "draft", "assistant_config": {"num_assistant_tokens": 3}}, "constant", 3),
+        ({"prompt_lookup_num_tokens": 4, "num_assistant_tokens_schedule": "constant"}, "constant", 4),
+    ],
+    ids=[
+        "assistant",
+        "lookup",
+        "early_exit",
+        "hf_k",
+        "hf_schedule",
+        "hf_threshold",
+        "assistant_config",
+        "lookup_named",
+    ],
+)
+def test_install_routes_are_adaptive_unless_hf_knobs_are_named(target, draft, kwargs, schedule, k):
+    """Every install() route uses the adaptive schedule, unless the caller names a schedule or one of HF's assistant
+    knobs (in the call or in a generation_config): then HF's meaning (its defaults for the knobs not named)."""
+    from transformers import GenerationConfig
+
+    from hf_specdec.routing import _spec_from_kwargs
+
+    kwargs = dict(kwargs)
+    assistant = None
+    if kwargs.get("assistant_model") == "draft":
+        assistant = make_noisy_copy(target, 0.01)  # a fresh copy: its generation_config may be edited below
+        assistant.generation_config = GenerationConfig(**kwargs.pop("assistant_config", {}))
+        kwargs["assistant_model"] = assistant
+    spec = _spec_from_kwargs(target, kwargs)
+    assert (spec.num_speculative_tokens_schedule, spec.num_speculative_tokens) == (schedule, k)
+    assert not set(kwargs) & {"num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold"}
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"assistant_model": "draft", "num_assistant_tokens": 0},
+        {"assistant_model": "draft", "num_assistant_tokens": 2.5},
+        {"assistant_early_exit": 1, "num_assistant_tokens": -1},
+        {"prompt_lookup_num_tokens": 3, "max_matching_ngram_size": 0},
+    ],
+)
+def test_invalid_hf_knobs_are_refused_before_any_model_work(target, draft, installed, kwargs):
+    """Stock transformers refuses max_matching_ngram_size=0 and silently drafts nothing for num_assistant_tokens=0;
+    both are mistakes, and both get an error naming the knob and its value."""
+    kwargs = {k: draft if v == "draft" else v for k, v in kwargs.items()}
+    name, value = [(k, v) for k, v in kwargs.items() if k in ("num_assistant_tokens", "max_matching_ngram_size")][0]
+    with pytest.raises(ValueError, match=f"{name}={value!r} is invalid"):
+        target.generate(**make_prompts(1), max_new_tokens=4, **kwargs)
+
+
+def test_a_useless_draft_costs_little_more_than_plain_at_batch_4(target, installed):
+    """A draft that is never right (another random model), routed with HF's defaults (the adaptive schedule): after
+    a few steps the loop stops drafting, so the target and draft forwards stay near plain decoding's count."""
+    useless = make_model("llama", seed=7)
+    counts = {"target": 0, "draft": 0}
+    hooks = [
+        model.register_forward_hook(lambda *_, name=name: counts.__setitem__(name, counts[name] + 1))
+        for name, model in (("target", target), ("draft", useless))
+    ]
+    inputs = make_prompts(4, seed=3)
+    new_tokens = 48
+    try:
+        plain = ORIGINAL_GENERATE(target, **inputs, do_sample=False, max_new_tokens=new_tokens)
+        plain_forwards, counts["target"] = counts["target"], 0
+        out = target.generate(**inputs, do_sample=False, max_new_tokens=new_tokens, assistant_model=useless)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert torch.equal(out, plain) and plain_forwards == new_tokens
+    # The first call times 6 widths (k = 5) once; drafting stops after a few rejected steps.
+    assert counts["target"] <= plain_forwards + 6 + 4, counts
+    assert counts["draft"] <= 0.5 * plain_forwards, counts

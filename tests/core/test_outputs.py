@@ -100,13 +100,14 @@ def test_stats_are_set_and_sane(target, noisy, batch_size):
 
 @pytest.mark.parametrize("method", ["draft", "ngram"])
 def test_the_prefill_is_step_0s_verify(target, noisy, method):
-    """Like plain `generate`, the first token costs no target forward of its own: one forward per step, all told."""
+    """Like plain `generate`, the first token costs no target forward of its own: one forward per step, all told
+    (a constant k: the adaptive schedule's first calls also time the verify widths)."""
     forwards = []
     handle = target.get_input_embeddings().register_forward_hook(lambda *_: forwards.append(1))
     try:
         inputs = make_prompts(3, seed=3)
         kwargs = {"draft_model": noisy} if method == "draft" else {"method": "ngram"}
-        spec = hf_specdec.SpecDecoder(num_speculative_tokens=K, **kwargs)
+        spec = hf_specdec.SpecDecoder(num_speculative_tokens=K, num_speculative_tokens_schedule="constant", **kwargs)
         expected = target.generate(**inputs, do_sample=False, max_new_tokens=1, eos_token_id=None)
         forwards.clear()
         out = spec_generate(target, inputs, spec, do_sample=False, max_new_tokens=1, eos_token_id=None)

@@ -12,7 +12,8 @@ from hf_specdec.tools.cli import main
 
 
 def test_spec_variants_parse():
-    assert spec_variant("ngram") == ("ngram", None, "constant")
+    assert spec_variant("ngram") == ("ngram", None, "adaptive")  # the library's default
+    assert spec_variant("ngram-heuristic") == ("ngram", None, "heuristic")
     assert spec_variant("ngram-k8") == ("ngram", 8, "constant")
     assert spec_variant("draft-adaptive") == ("draft", None, "adaptive")
     for bad in ("ngram-k0", "ngram-k33", "ngram-fast", "beam-k2"):

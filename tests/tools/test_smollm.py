@@ -78,10 +78,10 @@ def test_demo_end_to_end(capsys: pytest.CaptureFixture, smollm2) -> None:
     from hf_specdec.tools.demo import run_demo
 
     model, tokenizer = smollm2
-    rows = run_demo(max_new_tokens=24, k=5, model=model, tokenizer=tokenizer)
-    assert len(rows) == 3 and all(r["identical"] for r in rows)
+    rows = run_demo(max_new_tokens=24, k=5, repeats=1, model=model, tokenizer=tokenizer)
+    assert len(rows) == 5 and all(r.identical for r in rows)
     out = capsys.readouterr().out
-    assert "tok/s plain" in out and "identical" in out
+    assert "tok/s plain" in out and "identical" in out and "overall" in out
     # the console command itself, loading from the cache
-    assert main(["demo", "--max-new-tokens", "8", "--no-stream"]) == 0
+    assert main(["demo", "--max-new-tokens", "8", "--no-stream", "--repeats", "1"]) == 0
     assert "speedup" in capsys.readouterr().out
