@@ -2,9 +2,9 @@
 
 Two measured ingredients, both kept per target model across calls (weakly: they go with the model):
 
-- **What a step costs** (`StepCosts`): the first call at a batch size times one target forward of every width
-  1..k+1 (`calibrate`, right after the prefill; the next two calls add a pass each, the fastest kept, so no call
-  pays more than k + 1 extra forwards), because on real hardware the
+- **What a step costs** (`StepCosts`): each call at a batch size times one target forward of three widths right
+  after the prefill (`calibrate`: 1, 2 and k + 1 on the first call, the others interpolated until later calls
+  time them, each width three times, the fastest kept; so no call pays more than three extra forwards), because on real hardware the
   cost is far from linear in the width (on a 2-core CPU SmolLM2 takes 61 ms for 1 token, 105 ms for 2, 82 ms
   for 5). The loop's own steps then refine it, per context-length bucket (long contexts make wide verifies
   dearer): a width measured in a bucket costs what it took there; others scale the calibrated forward like the
@@ -155,7 +155,8 @@ class StepCosts:
 
     forward: dict[int, float] = field(default_factory=dict)  # width -> seconds of one calibrated target forward
     calibrated: bool = False  # False: borrowed from the nearest calibrated batch size (met mid-call)
-    passes: int = 0  # timing passes done: one per call (the first call pays k + 1 forwards), up to `max_passes`
+    timed: dict[int, int] = field(default_factory=dict)  # width -> times timed (each call times a few widths)
+    per_call: int = 3  # widths timed per call, until every width was timed `max_passes` times
     max_passes: int = 3
     contexts: dict[int, MeasuredSteps] = field(default_factory=dict)  # context bucket -> measured steps
     draft_cost: float = 0.0  # seconds per draft token, for proposers that draft only when asked to
@@ -164,12 +165,32 @@ class StepCosts:
     idle_decay: float = 0.99  # per plain step: a drafting cost not re-measured fades (speculation is re-tried)
 
     def calibrate(self, time_verify: Callable[[int], float], widths: range) -> None:
-        """One timing pass: a forward of every width in `widths`, the fastest of all passes so far kept."""
-        for w in widths:
+        """Time a forward of `per_call` widths (the fastest of all timings of a width is kept): those timed least,
+        1, 2 and the widest first, so that a first call pays three forwards and interpolation covers the rest."""
+        ends = {widths[0], widths[0] + 1, widths[-1]}
+        order = sorted(widths, key=lambda w: (self.timed.get(w, 0), w not in ends, w))
+        for w in [w for w in order if self.timed.get(w, 0) < self.max_passes][: self.per_call]:
             seconds = time_verify(w)
             self.forward[w] = min(self.forward.get(w, seconds), seconds)
-        self.passes += 1
+            self.timed[w] = self.timed.get(w, 0) + 1
         self.calibrated = True
+
+    def complete(self, widths: range) -> bool:
+        """Every width timed `max_passes` times: no more timing."""
+        return all(self.timed.get(w, 0) >= self.max_passes for w in widths)
+
+    def covers(self, widths: range) -> bool:
+        """Every width is timed or lies between two timed widths."""
+        return bool(self.forward) and min(self.forward) <= widths[0] and max(self.forward) >= widths[-1]
+
+    def forward_at(self, width: int) -> float:
+        """The timed forward of `width`, or a linear interpolation between the nearest timed widths around it."""
+        if width in self.forward:
+            return self.forward[width]
+        below = max(w for w in self.forward if w < width)
+        above = min(w for w in self.forward if w > width)
+        share = (width - below) / (above - below)
+        return self.forward[below] + share * (self.forward[above] - self.forward[below])
 
     def at(self, bucket: int) -> MeasuredSteps:
         """The measured steps of a context bucket; a new bucket starts from the nearest one's ratio."""
@@ -181,10 +202,10 @@ class StepCosts:
     def record(self, width: int, bucket: int, seconds: float, drafts_separately: bool) -> None:
         """A step of verify width `width` in context bucket `bucket` took `seconds`; `drafts_separately`: the
         proposer drafted only for this width (a draft model), so the step's cost beyond its forward is drafting."""
-        if width not in self.forward:
+        if not self.forward or not min(self.forward) <= width <= max(self.forward):
             return
         steps = self.at(bucket)
-        scaled = self.forward[width] * steps.ratio  # the forward as this bucket's plain steps suggest
+        scaled = self.forward_at(width) * steps.ratio  # the forward as this bucket's plain steps suggest
         drafting = self.draft_cost * (width - 1) if drafts_separately else 0.0
         seconds = min(max(seconds, 0.5 * scaled), 2.0 * scaled + 2.0 * drafting)
         if width == 1:
@@ -202,7 +223,7 @@ class StepCosts:
         steps = self.at(bucket)
         if steps.samples.get(width, 0) >= self.min_samples:
             return steps.seconds[width]
-        return self.forward[width] * steps.ratio + self.draft_cost * (width - 1)
+        return self.forward_at(width) * steps.ratio + self.draft_cost * (width - 1)
 
     def table(self, max_width: int, bucket: int) -> torch.Tensor:  # [max_width] seconds of widths 1..max_width
         return torch.tensor([self.step_time(w, bucket) for w in range(1, max_width + 1)])
@@ -284,20 +305,20 @@ class AdaptiveSchedule(SpeculationSchedule):
         self.expected: torch.Tensor | None = None  # [B, K + 1] (host) expected accepted of 0..K drafts, this step
 
     def costs(self, batch_size: int) -> StepCosts:
-        """This batch size's costs: timed at a call's first step (one pass per call, the first `max_passes` calls),
+        """This batch size's costs: a few widths timed at each call's first step until all are timed (`calibrate`),
         else borrowed from the nearest batch size."""
         costs = self.memory.costs.get((self.cost_key, batch_size))
         widths = range(1, self.max_k + 2)
-        complete = costs is not None and costs.calibrated and all(w in costs.forward for w in widths)
-        if self.time_verify is not None and not (complete and costs.passes >= costs.max_passes):
+        known = costs is not None and costs.calibrated and costs.covers(widths)
+        if self.time_verify is not None and not (known and costs.complete(widths)):
             costs = costs if costs is not None and costs.calibrated else StepCosts()
             costs.calibrate(self.time_verify, widths)
-        elif not complete:
-            known = [(abs(b - batch_size), b) for (key, b), c in self.memory.costs.items()
-                     if key == self.cost_key and c.calibrated and all(w in c.forward for w in widths)]  # fmt: skip
-            if not known:
+        elif not known:
+            nearby = [(abs(b - batch_size), b) for (key, b), c in self.memory.costs.items()
+                      if key == self.cost_key and c.calibrated and c.covers(widths)]  # fmt: skip
+            if not nearby:
                 raise RuntimeError("AdaptiveSchedule has no step costs: calibrate() must run after the prefill.")
-            costs = StepCosts(forward=dict(self.memory.costs[(self.cost_key, min(known)[1])].forward))
+            costs = StepCosts(forward=dict(self.memory.costs[(self.cost_key, min(nearby)[1])].forward))
         self.memory.costs[(self.cost_key, batch_size)] = costs
         return costs
 

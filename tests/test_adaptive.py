@@ -80,32 +80,39 @@ def test_acceptance_stats_start_at_the_prior_and_drift_back_to_it():
     assert float(stats.survival(torch.tensor([3]))[0, 2]) > 0.9
 
 
-def test_step_costs_calibrate_one_pass_at_a_time_keeping_the_fastest():
-    samples = iter([3.0, 5.0, 2.0, 4.0, 9.0, 9.0])  # passes: (w1, w2), (w1, w2), (w1, w2)
-    calls = []
+def test_step_costs_time_three_widths_per_call_and_interpolate_the_rest():
+    timed = []
 
     def time_verify(width: int) -> float:
-        calls.append(width)
-        return next(samples)
+        timed.append(width)
+        return float(width) + len(timed)  # later timings are slower: the fastest (first) one is kept
 
     costs = StepCosts()
-    for _ in range(3):
-        costs.calibrate(time_verify, range(1, 3))
-    assert costs.forward == {1: 2.0, 2: 4.0} and calls == [1, 2, 1, 2, 1, 2] and costs.passes == 3
+    widths = range(1, 6)
+    costs.calibrate(time_verify, widths)
+    assert timed == [1, 2, 5] and costs.covers(widths) and not costs.complete(widths)
+    assert costs.forward_at(3) == pytest.approx(4.0 + (8.0 - 4.0) / 3)  # between w2 (2 + 2) and w5 (5 + 3)
+    for _ in range(4):
+        costs.calibrate(time_verify, widths)
+    assert timed[3:6] == [3, 4, 1] and len(timed) == 15 and costs.complete(widths)
+    assert costs.forward == {1: 2.0, 2: 4.0, 3: 7.0, 4: 9.0, 5: 8.0}
+    costs.calibrate(time_verify, widths)  # complete: nothing more is timed
+    assert len(timed) == 15
 
 
-def test_adaptive_schedule_times_one_pass_per_call_for_the_first_calls_only():
-    """The first call on a model pays k + 1 timing forwards, the next two one pass each, later calls none."""
+def test_adaptive_schedule_times_at_most_three_forwards_per_call():
+    """A first call on a model pays three timing forwards, as does each later call until every width is timed
+    three times; then none."""
 
     class Model:  # any weak-referenceable object stands for the target
         pass
 
     model, timed = Model(), []
-    for call in range(5):
+    for call in range(8):
         schedule = AdaptiveSchedule(2, model, "ngram:1-4", propose_first=True)
         schedule.calibrate(lambda width, call=call: timed.append(call) or 1.0)
         schedule.costs(batch_size=1)
-    assert timed == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert timed == [0, 0, 0, 1, 1, 1, 2, 2, 2]  # 3 widths x 3 timings
 
 
 def test_step_costs_measure_widths_and_scale_the_others():
@@ -258,7 +265,7 @@ def test_adaptive_greedy_matches_plain_generate(llama, method):
     for _ in range(2):  # the first call calibrates (forwards that are undone), the second reuses the tables
         assert torch.equal(spec_generate(llama, inputs, spec, **kwargs), expected)
     memory = adaptive._MEMORY[llama]
-    assert any(costs.calibrated and len(costs.forward) == 7 for costs in memory.costs.values())
+    assert any(costs.calibrated and costs.covers(range(1, 8)) for costs in memory.costs.values())
 
 
 def test_adaptive_sampling_runs_with_a_seed(llama, llama_draft):

@@ -46,9 +46,10 @@ def _positive_float(what: str):  # noqa: ANN202
     return parse
 
 
-def _add_common(p: argparse.ArgumentParser, default_new_tokens: int) -> None:
-    p.add_argument("-k", "--num-speculative-tokens", dest="k", type=_bounded_int(1, MAX_K, "-k"), default=5,
-                   help=f"draft tokens per speculative step, 1..{MAX_K} (default: 5)")  # fmt: skip
+def _add_common(p: argparse.ArgumentParser, default_new_tokens: int, default_k: int = 5) -> None:
+    p.add_argument("-k", "--num-speculative-tokens", dest="k", type=_bounded_int(1, MAX_K, "-k"), default=default_k,
+                   help=f"draft tokens per speculative step (the most, with the adaptive schedule), 1..{MAX_K} "
+                        f"(default: {default_k})")  # fmt: skip
     p.add_argument("--max-new-tokens", type=_bounded_int(1, None, "--max-new-tokens"), default=default_new_tokens,
                    help=f"tokens to generate per prompt (default: {default_new_tokens})")  # fmt: skip
 
@@ -93,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
                                       "interleaved runs after a warm-up; stream the speculative text and print a "
                                       "comparison table with an overall row and a verdict.")  # fmt: skip
     demo.set_defaults(subparser=demo)
-    _add_common(demo, default_new_tokens=96)
+    _add_common(demo, default_new_tokens=96, default_k=8)  # long copies pay on this CPU: see docs/benchmarks.md
     demo.add_argument("--no-stream", action="store_true", help="print each answer at the end instead of streaming")
     demo.add_argument("--schedule", default="adaptive", choices=["adaptive", "constant", "heuristic"],
                       help="how many drafts per step: adaptive (default: only where drafts pay), constant (always k) "

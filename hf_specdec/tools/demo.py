@@ -141,7 +141,7 @@ def _status(text: str, file: Any):  # noqa: ANN202
 
 def run_demo(
     max_new_tokens: int = 96,
-    k: int = 5,
+    k: int = 8,
     schedule: str = "adaptive",
     repeats: int = 3,
     model: Any = None,
@@ -156,7 +156,7 @@ def run_demo(
 
     Args:
         max_new_tokens (`int`, *optional*, defaults to 96): tokens generated per prompt.
-        k (`int`, *optional*, defaults to 5): most draft tokens per step (every step's with a constant schedule).
+        k (`int`, *optional*, defaults to 8): most draft tokens per step (every step's with a constant schedule).
         schedule (`str`, *optional*, defaults to `"adaptive"`): `SpecDecoder.num_speculative_tokens_schedule`.
         repeats (`int`, *optional*, defaults to 3): timed runs of each method per prompt (interleaved); the median
             counts. One untimed warm-up of each method comes first.

@@ -69,7 +69,7 @@ _CODE = (
 #: question whose answer copies nothing (where it cannot, and the adaptive schedule decodes plainly).
 DEMO_PROMPTS: list[Prompt] = [
     Prompt(
-        f"Summarize this article in two sentences, reusing its own wording:\n\n{_ARTICLE}",
+        f"Summarize this article in three sentences, quoting its sentences word for word:\n\n{_ARTICLE}",
         category="summary",
         question_id="summary",
         copies=True,
@@ -81,7 +81,7 @@ DEMO_PROMPTS: list[Prompt] = [
         copies=True,
     ),
     Prompt(
-        f"List every person named in this passage with their role, quoting the passage:\n\n{_PASSAGE}",
+        f"Quote the sentence of this passage that names each person, one per line:\n\n{_PASSAGE}",
         category="extraction",
         question_id="extraction",
         copies=True,
