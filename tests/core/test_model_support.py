@@ -10,10 +10,8 @@ config or plain generate fails on it); a silent difference or a crash fails the 
 from __future__ import annotations
 
 import importlib
-import os
 import warnings
 
-import pytest
 import torch
 from transformers import AutoConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -191,33 +189,18 @@ def report(outcomes: dict[str, list[tuple[str, str]]]) -> str:
     return "\n".join(lines)
 
 
-#: The default run's subset: attention kinds (full, sliding, learned positions, GQA, ALiBi, parallel blocks) and
-#: the state kinds that must be refused (RWKV, Mamba, gated delta-net hybrid). The full sweep is marked slow.
-FAST_SUBSET = ["bloom", "gemma2", "gpt2", "gpt_neox", "llama", "mamba", "mpt", "opt", "qwen3_next", "rwkv"]
-
-
-def test_causal_lm_subset_is_identical_or_refused() -> None:
-    outcomes = run_sweep([name for name in FAST_SUBSET if name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES])
-    text = report(outcomes)
-    print("\ncausal-LM subset:\n" + text)
-    assert not outcomes.get("different") and not outcomes.get("crashed"), text
-    assert {"llama", "gpt2"} <= {name for name, _ in outcomes.get("identical", [])}, text
-    assert {"rwkv", "mamba", "qwen3_next"} <= {name for name, _ in outcomes.get("refused", [])}, text
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(
-    os.environ.get("HF_SPECDEC_FULL_SWEEP") != "1",
-    reason="opt-in: the sweep over every causal LM class takes over 30 minutes on 2 cores (CI's budget); run it with "
-    "HF_SPECDEC_FULL_SWEEP=1 (the fast subset above always runs)",
-)
 def test_every_causal_lm_is_identical_or_refused() -> None:
+    """The sweep over every causal LM class of the installed transformers (about 20 s: classes whose tiny config
+    does not shrink are skipped by a meta-device count). transformers 5.23: 97 identical, 23 refused, 69 skipped."""
     outcomes = run_sweep(sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))
     text = report(outcomes)
     print("\ncausal-LM sweep:\n" + text)
     assert not outcomes.get("different") and not outcomes.get("crashed"), text
-    assert len(outcomes.get("identical", [])) >= 20, text
-    assert len(outcomes.get("refused", [])) >= 3, text
+    identical = {name for name, _ in outcomes.get("identical", [])}
+    refused = {name for name, _ in outcomes.get("refused", [])}
+    assert {"llama", "gpt2", "gemma2", "opt", "gpt_neox"} <= identical, text
+    assert {"rwkv", "mamba"} <= refused, text
+    assert len(identical) >= 80, text
 
 
 if __name__ == "__main__":  # PYTHONPATH=$PWD python tests/core/test_model_support.py [model_type ...]
