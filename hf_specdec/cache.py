@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from hf_specdec.compat import crop_cache
 from hf_specdec.model_support import check_attention_implementation
 
 #: Compact when holes exceed this share of the cache columns (and the cache is at least this wide).
@@ -132,7 +133,7 @@ class CacheView:
         used = keep.any(0).nonzero()
         new_width = int(used.max().item()) + 1 if used.numel() else 0
         if new_width < self.width:
-            self.cache.crop(new_width - self.width)
+            crop_cache(self.cache, new_width - self.width)
             self.column_index = self.column_index[:, :new_width]
             keep = keep[:, :new_width]
         if self.width >= COMPACT_MIN_COLUMNS and (~keep).float().mean().item() > COMPACT_HOLE_SHARE:

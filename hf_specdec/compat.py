@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from transformers import GenerationConfig, PreTrainedModel, StaticCache
+from transformers import DynamicCache, GenerationConfig, PreTrainedModel, StaticCache
 
 
 def compiled_call(model: PreTrainedModel, generation_config: GenerationConfig) -> Callable | None:
@@ -29,3 +29,12 @@ def num_compiled_graphs() -> int:
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
+
+
+def crop_cache(cache: DynamicCache, tokens_to_remove: int) -> None:
+    """`DynamicCache.crop(-n)`, skipping layers not written yet: transformers 5.23 skips them itself (models that
+    share KV across layers, MTP layers), 5.17 fails on them (`'NoneType' object is not subscriptable`)."""
+    for layer in cache.layers:
+        if hasattr(layer, "keys") and (layer.keys is None or not getattr(layer, "is_initialized", True)):
+            continue  # an attention layer never written: nothing to crop
+        layer.crop(tokens_to_remove)

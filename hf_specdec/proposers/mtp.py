@@ -115,7 +115,8 @@ class MtpLayerView(CacheView):
         embeds = mtp.embed_tokens(input_ids).to(previous_hidden.dtype)  # [B, w, H]
         rope = None
         if mtp.rotary_emb is not None:
-            rope_kwargs = {"layer_type": self.layer_type} if mtp.has_per_layer_rope else {}
+            # transformers >= 5.23 marks per-layer RoPE parameters; 5.17 has none (no layer_type argument)
+            rope_kwargs = {"layer_type": self.layer_type} if getattr(mtp, "has_per_layer_rope", False) else {}
             rope = mtp.rotary_emb(embeds, position_ids=position_ids, **rope_kwargs)
         hidden = mtp.layers[self.layer_idx](
             embeds,

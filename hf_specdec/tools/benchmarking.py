@@ -23,7 +23,7 @@ from hf_specdec.tools.prompts import Prompt, encode_batch
 
 __all__ = [
     "METHODS", "BatchResult", "generate_batch", "parse_methods", "plot_speedup", "run_benchmark", "spec_variant",
-    "summarize",
+    "summarize", "warm_up",
 ]  # fmt: skip
 
 #: hf_specdec methods, transformers' stock methods, and the baseline. ``hf-stock`` expands to hf-ngram (+ hf-draft).
@@ -234,6 +234,19 @@ def generate_batch(
     return BatchResult(method, completions, wall, forwards[0], stats)
 
 
+def warm_up(model: Any, tokenizer: Any, texts: list[str], method: str, **settings: Any) -> float:
+    """Untimed short calls of `method` until its one-time costs are paid: one call, and for the adaptive schedule
+    as many as its step-cost timing takes (it times a few verify widths per call). Returns those timing seconds."""
+    settings = {**settings, "max_new_tokens": min(16, settings.get("max_new_tokens", 16)), "streamer": None}
+    calibration = 0.0
+    for _ in range(16):
+        stats = generate_batch(model, tokenizer, texts, method, **settings).stats or {}
+        calibration += stats.get("calibration_time_s", 0.0)
+        if not stats.get("calibration_time_s"):
+            break
+    return calibration
+
+
 def run_benchmark(
     model: Any,
     tokenizer: Any,
@@ -262,9 +275,8 @@ def run_benchmark(
     for cat in dict.fromkeys(p.category for p in prompts):
         in_cat = [p for p in prompts if p.category == cat]
         batches += [in_cat[i : i + batch_size] for i in range(0, len(in_cat), batch_size)]
-    warm = {**settings, "max_new_tokens": min(16, settings.get("max_new_tokens", 16)), "streamer": None}
     for method in methods:  # untimed warm-up on the first batch's shapes (first calls pay one-time costs)
-        generate_batch(model, tokenizer, [p.text for p in batches[0]], method, **warm)
+        warm_up(model, tokenizer, [p.text for p in batches[0]], method, **settings)
     results = []
     with tqdm(total=len(prompts) * len(methods), unit="prompt", desc="bench", disable=not progress) as bar:
         for batch in batches:

@@ -16,7 +16,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from hf_specdec.tools.benchmarking import generate_batch
+from hf_specdec.tools.benchmarking import generate_batch, warm_up
 from hf_specdec.tools.prompts import DEMO_PROMPTS, Prompt
 
 __all__ = ["DemoRow", "overall", "print_table", "run_demo", "verdict"]
@@ -183,25 +183,27 @@ def run_demo(
     spec_method = "ngram-" + (schedule if schedule != "constant" else f"k{k}")
     settings = {"max_new_tokens": max_new_tokens, "k": k}
     with _status("Warming up (the adaptive schedule's first calls also time the verify widths)...", file):
-        calibration_s = 0.0
-        for method in ("plain", spec_method, spec_method, spec_method):  # untimed: warm-ups and calibration passes
-            warm = generate_batch(model, tokenizer, [prompts[0].text], method, **{**settings, "max_new_tokens": 8})
-            calibration_s += (warm.stats or {}).get("calibration_time_s", 0.0)
+        calibration_s = sum(warm_up(model, tokenizer, [prompts[0].text], m, **settings) for m in ("plain", spec_method))
     rows: list[DemoRow] = []
     for prompt in prompts:
         print(f"\n=== {prompt.category}: {prompt.text.splitlines()[0][:80]}", file=file)
         plain_runs, spec_runs = [], []
-        for run in range(repeats):
-            with _status(f"plain generate (not streamed), run {run + 1}/{repeats}...", file):
-                plain_runs.append(generate_batch(model, tokenizer, [prompt.text], "plain", **settings))
-            streamer = None
-            if stream and run == 0:
-                print("hf_specdec: ", end="", file=file, flush=True)
-                streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-            with _status(f"hf_specdec, run {run + 1}/{repeats}...", file) if streamer is None else nullcontext():
-                spec_runs.append(
-                    generate_batch(model, tokenizer, [prompt.text], spec_method, streamer=streamer, **settings)
-                )
+        for run in range(repeats):  # interleaved, the order alternating so that a drift favours neither
+            for method in ("plain", spec_method) if run % 2 == 0 else (spec_method, "plain"):
+                streamer = None
+                if method == "plain":
+                    status = _status(f"plain generate (not streamed), run {run + 1}/{repeats}...", file)
+                elif stream and run == 0:
+                    print("hf_specdec: ", end="", file=file, flush=True)
+                    status, streamer = (
+                        nullcontext(),
+                        TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True),
+                    )
+                else:
+                    status = _status(f"hf_specdec, run {run + 1}/{repeats}...", file)
+                with status:
+                    result = generate_batch(model, tokenizer, [prompt.text], method, streamer=streamer, **settings)
+                (plain_runs if method == "plain" else spec_runs).append(result)
         if not stream:
             print(tokenizer.decode(spec_runs[0].completions[0], skip_special_tokens=True), file=file)
         stats = spec_runs[0].stats or {}
@@ -231,8 +233,8 @@ def run_demo(
     print(note(schedule), file=file)
     if calibration_s:
         print(
-            f"The adaptive schedule's first calls spent {calibration_s:.2f} s timing verify widths (once per process; "
-            "in the warm-up here).",
+            f"The adaptive schedule's first calls spent {calibration_s:.2f} s timing verify widths (once per process, "
+            "at most three forwards per call; in the warm-up here).",
             file=file,
         )
     if json_path:
