@@ -203,8 +203,9 @@ def main() -> None:
         if e2e.DEVICE == "cuda":
             results["sampler_graph"] = sampler_in_graph()
     elif args.part == "adaptive":
-        rows.append(run_setting("B=1 alpha=0 adaptive", target, draft, all_inputs[1], 4, 0.0, n_new, stock=False,
-                                schedule="adaptive"))  # fmt: skip
+        for alpha in (0.0, 0.8):  # the library's default schedule: a useless draft, and a good one
+            rows.append(run_setting(f"B=1 alpha={alpha} adaptive", target, draft, all_inputs[1], 4, alpha, n_new,
+                                    stock=False, schedule="adaptive"))  # fmt: skip
     else:
         for b in batches:
             rows.append(run_setting(f"B={b} ragged alpha=0.8 k=4", target, draft, all_inputs[b], 4, 0.8, n_new,

@@ -160,6 +160,7 @@ class StepCosts:
     max_passes: int = 3
     contexts: dict[int, MeasuredSteps] = field(default_factory=dict)  # context bucket -> measured steps
     draft_cost: float = 0.0  # seconds per draft token, for proposers that draft only when asked to
+    draft_prior: float = 0.0  # what `draft_cost` is taken to be before drafting was measured, and fades back to
     smoothing: float = 0.1  # weight of a new sample
     min_samples: int = 2
     idle_decay: float = 0.99  # per plain step: a drafting cost not re-measured fades (speculation is re-tried)
@@ -210,7 +211,7 @@ class StepCosts:
         seconds = min(max(seconds, 0.5 * scaled), 2.0 * scaled + 2.0 * drafting)
         if width == 1:
             steps.ratio += self.smoothing * (seconds / self.forward[1] - steps.ratio)
-            self.draft_cost *= self.idle_decay
+            self.draft_cost = self.draft_prior + (self.draft_cost - self.draft_prior) * self.idle_decay
         elif drafts_separately:
             self.draft_cost += self.smoothing * (max(seconds - scaled, 0.0) / (width - 1) - self.draft_cost)
         n = steps.samples.get(width, 0)
@@ -276,6 +277,9 @@ class AdaptiveSchedule(SpeculationSchedule):
         row_weight (`float`, *optional*, defaults to 1.0): How many expected accepted drafts of evidence a row needs
             before its own record moves its estimate away from its key's (see `row_factors`).
         row_decay (`float`, *optional*, defaults to 0.97): Per step, what a row's record keeps of its past.
+        draft_share (`float`, *optional*, defaults to 0.0): What drafting one token costs, as a share of a one-token
+            target forward, until it is measured (a draft model's parameters over the target's): without it a
+            draft as large as the target would look free where wide verifies cost little more than narrow ones.
     """
 
     def __init__(
@@ -287,6 +291,7 @@ class AdaptiveSchedule(SpeculationSchedule):
         margin: float = 0.05,
         row_weight: float = 1.0,
         row_decay: float = 0.97,
+        draft_share: float = 0.0,
     ) -> None:
         super().__init__(max_k)
         self.memory = _MEMORY.setdefault(model, ModelMemory()) if model is not None else ModelMemory()
@@ -300,6 +305,7 @@ class AdaptiveSchedule(SpeculationSchedule):
         self.first_step = True  # the call's first step is not measured
         self.prefilling = False  # True until step 0, whose verify is the prefill, has asked for its budgets
         self.row_weight, self.row_decay = row_weight, row_decay
+        self.draft_share = 0.0 if propose_first else draft_share
         self.row_accepted = torch.zeros(0)  # [B] (host) drafts each row got accepted, decayed per step
         self.row_expected = torch.zeros(0)  # [B] (host) what its keys' statistics expected of those drafts
         self.expected: torch.Tensor | None = None  # [B, K + 1] (host) expected accepted of 0..K drafts, this step
@@ -319,6 +325,9 @@ class AdaptiveSchedule(SpeculationSchedule):
             if not nearby:
                 raise RuntimeError("AdaptiveSchedule has no step costs: calibrate() must run after the prefill.")
             costs = StepCosts(forward=dict(self.memory.costs[(self.cost_key, min(nearby)[1])].forward))
+        if self.draft_share and not costs.draft_prior:
+            costs.draft_prior = self.draft_share * costs.forward_at(1)
+            costs.draft_cost = max(costs.draft_cost, costs.draft_prior)
         self.memory.costs[(self.cost_key, batch_size)] = costs
         return costs
 

@@ -80,6 +80,10 @@ class SpecDecoder:
             Needed for `stop_strings`; `generate` does not forward its `tokenizer` to custom decoders.
         streamer (`BaseStreamer`, *optional*):
             Receives the tokens like `generate(streamer=...)` would.
+        on_step (`Callable[[StepRecord], None]`, *optional*):
+            Called after every verify step with a `hf_specdec.metrics.StepRecord`: each generating row's kept
+            tokens and how they came (accepted draft, recovered after a rejection, bonus). For visualising
+            speculation (the Space colours tokens with it); it costs one host copy per step, none when unset.
     """
 
     method: str | None = None
@@ -96,6 +100,7 @@ class SpecDecoder:
     seed: int | list[int] | None = None
     tokenizer: Any = None
     streamer: Any = None
+    on_step: Any = None
     last_stats: SpecDecodeStats | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -145,6 +150,10 @@ class SpecDecoder:
                 f"prompt_lookup_min/prompt_lookup_max must be ints with 1 <= min <= max, got min={lo!r}, max={hi!r}."
             )
         self._check_seed()
+        if self.on_step is not None and not callable(self.on_step):
+            raise ValueError(
+                f"SpecDecoder(on_step=...) must be a callable taking a StepRecord, got {type(self.on_step).__name__}."
+            )
 
     @property
     def max_speculative_tokens(self) -> int:
@@ -212,12 +221,12 @@ class SpecDecoder:
 
     def to_dict(self) -> dict[str, Any]:
         """The serialisable settings (model, tokenizer and streamer objects are left out)."""
-        skip = {"draft_model", "draft_tokenizer", "mtp_model", "tokenizer", "streamer", "last_stats"}
+        skip = {"draft_model", "draft_tokenizer", "mtp_model", "tokenizer", "streamer", "on_step", "last_stats"}
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], **objects: Any) -> SpecDecoder:
-        """Inverse of `to_dict`; pass `draft_model=`, `draft_tokenizer=`, `mtp_model=`, `tokenizer=`, `streamer=` as keyword arguments."""
+        """Inverse of `to_dict`; pass `draft_model=`, `draft_tokenizer=`, `mtp_model=`, `tokenizer=`, `streamer=`, `on_step=` as keyword arguments."""
         known = {f.name for f in fields(cls) if f.init}
         unknown = set(data) - known
         if unknown:

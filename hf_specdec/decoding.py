@@ -20,7 +20,7 @@ from hf_specdec.batch import RaggedBatch
 from hf_specdec.cache import CacheView
 from hf_specdec.continuation import CacheHandoff
 from hf_specdec.exact import ExactPath
-from hf_specdec.metrics import SpecDecodeStats
+from hf_specdec.metrics import SpecDecodeStats, StepRecord
 from hf_specdec.proposers.base import Proposal, Proposer
 from hf_specdec.proposers.draft_model import draft_position_limit
 from hf_specdec.sampling import random as row_random
@@ -69,8 +69,10 @@ class SpeculativeLoop:
         exact: ExactPath | None = None,
         handoff: CacheHandoff | None = None,
         view_factory: Callable[[PreTrainedModel, RaggedBatch], CacheView] | None = None,
+        on_step: Callable[[StepRecord], None] | None = None,
     ) -> None:
         self.model = model
+        self.on_step = on_step  # SpecDecoder.on_step: told every step's kept tokens (one host copy, only when set)
         self.proposer = proposer
         self.batch = batch
         self.sampling = sampling
@@ -258,6 +260,12 @@ class SpeculativeLoop:
         batch.token_ids[rows, columns] = torch.where(emitted, output_ids, batch.token_ids[rows, columns])
         num_kept = self.stop_rules.apply(batch, num_emitted, width, stop_hits)  # [B]
         self.record_outputs(num_kept, scores, target_logits)
+        if self.on_step is not None:
+            self.on_step(
+                StepRecord.from_step(
+                    batch.row_ids, output_ids, num_kept, proposal.num_draft_tokens, num_accepted, ~self.frozen
+                )
+            )
         batch.lengths = batch.lengths + num_kept
         self.stats.record_step(proposal.num_draft_tokens, num_accepted, batch.batch_size - self.num_frozen)
         return num_kept, num_accepted

@@ -157,6 +157,7 @@ def generate(
         exact=exact,
         handoff=handoff,
         view_factory=_seq2seq_views(encoder),
+        on_step=spec.on_step,
     )
     result = loop.run()
     loop.proposer.finish()
@@ -298,7 +299,9 @@ def _build_schedule(spec: SpecDecoder, model: PreTrainedModel, inner: Proposer) 
             key = f"draft:{model_serial(spec.draft_model)}"
         elif spec.method != "ngram":
             key = "mtp" if spec.method == "mtp" else f"exit:{spec.early_exit_layers}"
-        return AdaptiveSchedule(spec.num_speculative_tokens, model, key, propose_first=inner.proposes_cheaply)
+        return AdaptiveSchedule(
+            spec.num_speculative_tokens, model, key, inner.proposes_cheaply, draft_share=_draft_share(spec, model)
+        )
     if schedule.startswith("heuristic"):
 
         def persist(k: int) -> None:  # HF's "heuristic" keeps the final k for the next call
@@ -309,6 +312,19 @@ def _build_schedule(spec: SpecDecoder, model: PreTrainedModel, inner: Proposer) 
         on_finish = persist if schedule == "heuristic" else None
         return HeuristicSchedule(spec.num_speculative_tokens, spec.max_speculative_tokens, on_finish)
     return None
+
+
+def _draft_share(spec: SpecDecoder, model: PreTrainedModel) -> float:
+    """What drafting one token costs next to a one-token target forward, before the adaptive schedule measures it:
+    the draft's parameters over the target's (the share of the target's layers for early exit and MTP)."""
+    layers = max(1, getattr(model.config.get_text_config(), "num_hidden_layers", 1) or 1)
+    if spec.method == "early_exit":
+        return spec.early_exit_layers / layers
+    if spec.method == "mtp":
+        return 1 / layers
+    if spec.method != "draft":
+        return 0.0
+    return min(1.0, sum(p.numel() for p in spec.draft_model.parameters()) / sum(p.numel() for p in model.parameters()))
 
 
 def row_seeds(seed: int | list[int] | None, batch_size: int) -> torch.Tensor:  # [B] int64

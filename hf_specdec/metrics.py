@@ -9,6 +9,7 @@ drafted), i.e. the tokens a drafting step emits on average.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Literal
 
 import torch
 
@@ -98,3 +99,48 @@ class SpecDecodeStats:
             tokens_per_second=self.tokens_per_second,
         )
         return out
+
+
+@dataclass
+class StepRecord:
+    """One verify step as `SpecDecoder(on_step=...)` sees it: each generating row's kept tokens and how they came.
+
+    Of row i's `tokens[i]`, the first `min(num_accepted[i], len(tokens[i]))` are drafts the target accepted; a token
+    after them is the target's own: "recovered" (chosen or sampled in place of a rejected draft) when the row had
+    more drafts than it accepted, "bonus" (one more token after every draft was accepted) when it had drafts, and
+    "plain" when it had none (a plain decoding step). Stopping may cut a step short.
+    """
+
+    row_ids: list[int]  # the caller's row index of each generating row (after num_return_sequences expansion)
+    tokens: list[list[int]]  # tokens each row kept this step
+    num_drafts: list[int]  # drafts each row verified this step
+    num_accepted: list[int]  # of those, how many the target accepted
+
+    @classmethod
+    def from_step(
+        cls,
+        row_ids: torch.Tensor,  # [B]
+        output_ids: torch.Tensor,  # [B, w] emitted tokens, -1 beyond
+        num_kept: torch.Tensor,  # [B]
+        num_drafts: torch.Tensor,  # [B]
+        num_accepted: torch.Tensor,  # [B]
+        live: torch.Tensor,  # [B] bool: rows still generating (a static batch keeps finished rows, frozen)
+    ) -> StepRecord:
+        """Build the record with one host copy."""
+        counts = torch.stack([row_ids, num_kept, num_drafts.to(num_kept.dtype), num_accepted, live.long()], dim=1)
+        host = torch.cat([counts, output_ids.to(counts.dtype)], dim=1).tolist()  # [B, 5 + w]
+        rows = [r for r in host if r[4]]
+        return cls(
+            row_ids=[r[0] for r in rows],
+            tokens=[r[5 : 5 + r[1]] for r in rows],
+            num_drafts=[r[2] for r in rows],
+            num_accepted=[r[3] for r in rows],
+        )
+
+    def kinds(self, i: int) -> list[Literal["accepted", "recovered", "bonus", "plain"]]:
+        """How each of row i's kept tokens came (see the class doc)."""
+        accepted = min(self.num_accepted[i], len(self.tokens[i]))
+        own = (
+            "plain" if not self.num_drafts[i] else "recovered" if self.num_accepted[i] < self.num_drafts[i] else "bonus"
+        )
+        return ["accepted"] * accepted + [own] * (len(self.tokens[i]) - accepted)

@@ -167,6 +167,7 @@ def _drive(
     steps: int = 300,
     propose_first: bool = True,
     schedule: AdaptiveSchedule | None = None,
+    draft_seconds: float = 0.0,  # what drafting one token takes (a draft model's forward)
 ) -> list[list[int]]:
     """Run the schedule (one call) against simulated forwards and i.i.d. acceptance per key; return the drafts it
     verified per step. Pass `schedule` to run a further call with what an earlier one learned."""
@@ -196,8 +197,24 @@ def _drive(
         draws = torch.rand(batch_size, K, generator=g) < rates  # [B, K]
         accepted = torch.where(draws.all(1), K, (~draws).int().argmax(1))
         schedule.observe(used, torch.minimum(accepted, used))
-        clock.now += forward[int(used.max())] + 0.001
+        clock.now += forward[int(used.max())] + draft_seconds * int(used.max()) + 0.001
     return verified
+
+
+@pytest.mark.parametrize("draft_share", [0.0, 1.0])
+def test_a_draft_as_large_as_the_target_never_looks_free(monkeypatch, draft_share):
+    """Wide verifies cost the same as narrow ones (a GPU, a tiny model) and each draft token costs a whole forward:
+    drafting never pays. Without a prior for the drafting cost the schedule drafts until it has measured it; with
+    `draft_share` (the draft's size next to the target's) it does not start."""
+    schedule = AdaptiveSchedule(K, model=None, cost_key="sim", propose_first=False, draft_share=draft_share)
+    flat = [1.0] * (K + 1)
+    verified = _drive(monkeypatch, flat, {0: 0.0}, keys=[0, 0], propose_first=False, schedule=schedule,
+                      draft_seconds=1.0)  # fmt: skip
+    drafting_steps = sum(max(row) > 0 for row in verified)
+    if draft_share:
+        assert drafting_steps == 0, verified[:20]
+    else:
+        assert drafting_steps > 0
 
 
 def test_schedule_switches_itself_off_where_drafts_are_bad(monkeypatch):

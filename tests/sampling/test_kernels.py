@@ -31,7 +31,9 @@ from hf_specdec.sampling.rejection import SAMPLER_ENV, rejection_sample  # noqa:
 
 IN_PROCESS = triton_interprets()
 interpreted = pytest.mark.skipif(
-    not IN_PROCESS, reason="triton was imported without TRITON_INTERPRET=1: see subprocess"
+    not IN_PROCESS,
+    reason="covered in a subprocess instead (another test imported triton first, without its CPU interpreter; "
+    "test_kernels_in_subprocess runs these there)",
 )
 REPO = Path(__file__).resolve().parents[2]
 
