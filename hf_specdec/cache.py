@@ -38,6 +38,7 @@ class CacheView:
         config = model.config.get_text_config()
         self.layer_types = getattr(config, "layer_types", None)
         self.sliding_window = getattr(config, "sliding_window", None)
+        self.chunk_size = getattr(config, "attention_chunk_size", None)  # Llama 4's chunked attention layers
         self.mask_dtype = model.dtype
         self.eager = config._attn_implementation == "eager"
 
@@ -114,6 +115,11 @@ class CacheView:
         masks = {"full_attention": allowed | own}
         if self.sliding_window is not None:
             masks["sliding_attention"] = (allowed & (q - k < self.sliding_window)) | own
+        if self.chunk_size is not None:  # a query sees the keys of its own chunk of positions (as HF's overlay)
+            pad = self.pad_lengths[:, None, None]
+            masks["chunked_attention"] = (
+                allowed & ((q - pad) // self.chunk_size == (k - pad) // self.chunk_size)
+            ) | own
         masks = {name: self._to_model_format(m[:, None]) for name, m in masks.items()}
         if self.layer_types is not None:
             return {name: masks[name] for name in set(self.layer_types)}

@@ -34,6 +34,7 @@ def num_compiled_graphs() -> int:
 def crop_cache(cache: DynamicCache, tokens_to_remove: int) -> None:
     """`DynamicCache.crop(-n)`, skipping layers not written yet: transformers 5.23 skips them itself (models that
     share KV across layers, MTP layers), 5.17 fails on them (`'NoneType' object is not subscriptable`)."""
+    cache = getattr(cache, "self_attention_cache", cache)  # an encoder-decoder's: its cross-attention stays whole
     for layer in cache.layers:
         if hasattr(layer, "keys") and (layer.keys is None or not getattr(layer, "is_initialized", True)):
             continue  # an attention layer never written: nothing to crop

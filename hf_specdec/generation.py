@@ -20,7 +20,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEnc
 
 from hf_specdec import compat
 from hf_specdec.batch import RaggedBatch
-from hf_specdec.config import SpecDecoder
+from hf_specdec.config import MAX_SPECULATIVE_TOKENS, SpecDecoder
 from hf_specdec.continuation import CacheHandoff, check_continuation_cache
 from hf_specdec.decoding import SpeculativeLoop, StaticPlan
 from hf_specdec.exact import ExactPath, needs_exact_path
@@ -373,6 +373,17 @@ def _check_call(
     model: PreTrainedModel, input_ids: torch.Tensor, config: GenerationConfig, model_kwargs: dict[str, Any]
 ) -> None:
     """Raise a clear error for every generate setting this package does not support."""
+    text = model.config.get_text_config()
+    floor_scale = getattr(text, "floor_scale", None) if getattr(text, "attn_temperature_tuning", False) else None
+    if floor_scale and 2 * config.max_length + MAX_SPECULATIVE_TOKENS >= floor_scale:
+        # Llama 4's NoPE layers scale queries by the count of cached columns once it reaches floor_scale - 1; the
+        # ragged cache's count (holes included, up to about twice the row before compaction) is not plain's.
+        raise NotImplementedError(
+            f"{type(model).__name__} scales attention by cache length past {floor_scale} columns "
+            f"(attn_temperature_tuning), which hf_specdec reproduces exactly only for max_length below "
+            f"{(floor_scale - MAX_SPECULATIVE_TOKENS) // 2} (got {config.max_length}): lower max_new_tokens, or "
+            "generate without speculation."
+        )
     if config.num_beams is not None and config.num_beams > 1:
         raise ValueError(
             f"Speculative decoding does not combine with beam search (num_beams={config.num_beams}): pass num_beams=1."

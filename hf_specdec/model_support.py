@@ -1,9 +1,9 @@
 """Which models hf_specdec can run exactly: checked on the model's cache and layer kinds before any model work.
 
 Speculation rolls rejected positions back and reads holes through explicit 4-D masks, which is exact only for
-plain attention KV caches. A model whose state is recurrent (RWKV, Mamba, xLSTM, recurrent Gemma, linear
-attention, gated delta-net hybrids) or whose layers need a mask this package does not build (chunked
-attention) is refused up front. The check reads what transformers itself would build for the model (the cache
+plain attention KV caches (full, sliding-window and chunked attention: masks built from the column map). A model
+whose state is recurrent (RWKV, Mamba, xLSTM, recurrent Gemma, linear attention, gated delta-net hybrids) is
+refused up front. The check reads what transformers itself would build for the model (the cache
 layer types of `DynamicCache(config=...)`), not a list of model names: `SUPPORTED_LAYER_TYPES` is the one
 allow-set to extend when `hf_specdec.cache` learns a new layer kind.
 """
@@ -15,7 +15,7 @@ import inspect
 from transformers import PreTrainedModel, cache_utils
 
 #: Cache layer types (transformers' `layer_types` names) whose rollback and masks `hf_specdec.cache` implements.
-SUPPORTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+SUPPORTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
 
 #: The attention implementations that take the explicit 4-D masks with holes this package builds.
 SUPPORTED_ATTENTION = ("sdpa", "eager")
