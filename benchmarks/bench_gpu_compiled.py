@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
 
@@ -27,6 +28,7 @@ import hf_specdec
 from benchmarks import bench_gpu_e2e as e2e
 from hf_specdec.batch import RaggedBatch
 from hf_specdec.decoding import StaticPlan
+from hf_specdec.generation import CAPTURE_ENV
 from hf_specdec.static_cache import StaticCacheView
 
 STATIC = dict(cache_implementation="static")
@@ -69,6 +71,18 @@ def run_setting(name: str, target, draft, inputs, k: int, alpha: float, n_new: i
         "ours_compiled": lambda: target.generate(**inputs, custom_generate=hf_specdec.generate,
                                                  spec_decoder=spec_static, **gen, **STATIC),
     }  # fmt: skip
+    spec_uncaptured = hf_specdec.SpecDecoder(draft_model=draft, num_speculative_tokens=k,
+                                             num_speculative_tokens_schedule=schedule)  # fmt: skip
+
+    def uncaptured() -> torch.Tensor:  # the path before whole-step graphs: each forward its own compiled graph
+        os.environ[CAPTURE_ENV] = "0"
+        try:
+            return target.generate(**inputs, custom_generate=hf_specdec.generate, spec_decoder=spec_uncaptured,
+                                   **gen, **STATIC)  # fmt: skip
+        finally:
+            del os.environ[CAPTURE_ENV]
+
+    fns["ours_compiled_per_forward_graphs"] = uncaptured
     if stock:
         stock_kwargs = dict(assistant_model=draft, num_assistant_tokens=k, assistant_confidence_threshold=0.0,
                             num_assistant_tokens_schedule="constant", **gen)  # fmt: skip
@@ -80,6 +94,7 @@ def run_setting(name: str, target, draft, inputs, k: int, alpha: float, n_new: i
         reference = fns["plain_eager"]()
         ours = fns["ours_compiled"]()  # compiles ours
         first_stats = spec_static.last_stats
+        ours_uncaptured = uncaptured()
         ours_eager = fns["ours_eager"]()
         torch.cuda.reset_peak_memory_stats() if e2e.DEVICE == "cuda" else None
         times = e2e.timed_together(fns)
@@ -93,7 +108,11 @@ def run_setting(name: str, target, draft, inputs, k: int, alpha: float, n_new: i
                first_call_compile_s=first_stats.compile_time_s, first_call_ttft_s=first_stats.time_to_first_token_s,
                second_call_compile_s=spec_static.last_stats.compile_time_s,
                plain_compiled_first_call_s=plain_first_s, peak_gpu_gb=peak_gb,
+               speedup_per_forward_graphs_vs_compiled_plain=(
+                   times["plain_compiled"] / times["ours_compiled_per_forward_graphs"]),
+               graph_replays=spec_static.last_stats.num_graph_replays, steps=spec_static.last_stats.num_steps,
                rows_identical_compiled_vs_plain_compiled=(ours == expected).all(1).float().mean().item(),
+               rows_identical_uncaptured_vs_plain_compiled=(ours_uncaptured == expected).all(1).float().mean().item(),
                rows_identical_eager_vs_plain_eager=(ours_eager == reference).all(1).float().mean().item(),
                plain_compiled_vs_plain_eager_rows_identical=(expected == reference).all(1).float().mean().item())  # fmt: skip
     print(json.dumps(row), flush=True)

@@ -6,9 +6,14 @@ module, not across the package. Covered: transformers 5.17 (the GPU image) to 5.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
-from transformers import DynamicCache, GenerationConfig, PreTrainedModel, StaticCache
+import torch
+from transformers import CompileConfig, DynamicCache, GenerationConfig, PreTrainedModel, StaticCache
+
+#: model -> ((compile settings), its compiled __call__ without CUDA graphs), for the captured speculative step.
+_UNGRAPHED_CALLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def compiled_call(model: PreTrainedModel, generation_config: GenerationConfig) -> Callable | None:
@@ -22,6 +27,29 @@ def compiled_call(model: PreTrainedModel, generation_config: GenerationConfig) -
     if not model._valid_auto_compile_criteria(probe, generation_config):
         return None
     return model.get_compiled_call(generation_config.compile_config)
+
+
+def compiled_call_without_graphs(model: PreTrainedModel, generation_config: GenerationConfig) -> Callable | None:
+    """`compiled_call`'s forward with the same compile settings but no CUDA graphs of its own, for a caller that
+    captures a whole step (with these calls inside) as one graph: `mode="reduce-overhead"` becomes inductor's
+    default, `"max-autotune"` becomes `"max-autotune-no-cudagraphs"`. None exactly when `compiled_call` is None.
+
+    Compiled once per model and settings (cached here, apart from `PreTrainedModel.get_compiled_call`'s single
+    slot, so that plain `generate` calls in between do not recompile either)."""
+    if compiled_call(model, generation_config) is None:
+        return None
+    settings = (generation_config.compile_config or CompileConfig()).to_dict()
+    mode = settings.get("mode")
+    settings["mode"] = {"reduce-overhead": None, "max-autotune": "max-autotune-no-cudagraphs"}.get(mode, mode)
+    if settings.get("options"):
+        settings["options"] = {**settings["options"], "triton.cudagraphs": False}
+        settings["mode"] = None  # torch.compile takes either a mode or options
+    key = repr(sorted(settings.items(), key=lambda item: item[0]))
+    cached = _UNGRAPHED_CALLS.get(model)
+    if cached is None or cached[0] != key:
+        cached = (key, torch.compile(model.__call__, **settings))
+        _UNGRAPHED_CALLS[model] = cached
+    return cached[1]
 
 
 def num_compiled_graphs() -> int:

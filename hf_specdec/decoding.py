@@ -27,6 +27,7 @@ from hf_specdec.sampling import random as row_random
 from hf_specdec.sampling.processors import StepSampling
 from hf_specdec.sampling.rejection import rejection_sample
 from hf_specdec.static_cache import StaticCacheView
+from hf_specdec.step_graph import StepGraph
 from hf_specdec.stopping import StopRules
 
 
@@ -40,6 +41,10 @@ class StaticPlan:
     compile_time_s: float = 0.0  # seconds spent in forwards that compiled or captured a new graph
     num_compactions: int = 0
     views: list = field(default_factory=list)  # the call's StaticCacheViews (target, draft), in creation order
+    #: the forwards may run inside one captured CUDA graph per step (a GPU, and compiling allowed)
+    can_capture: bool = False
+    #: the loop captures its steps (`hf_specdec.step_graph`): forwards are compiled without graphs of their own
+    capture_steps: bool = False
 
 
 @dataclass
@@ -89,12 +94,18 @@ class SpeculativeLoop:
         # frozen (fed nothing, emit nothing) until every row is done.
         self.frozen = torch.zeros(total, dtype=torch.bool, device=device)  # [B]
         self.num_frozen = 0
+        self.step_graph: StepGraph | None = None
         if static is None:
             # An encoder-decoder target's view also feeds the encoder output (`hf_specdec.seq2seq`).
             self.target = view_factory(model, batch) if view_factory else CacheView(model, total, batch.pad_lengths)
         else:
-            self.target = StaticCacheView(model, total, batch.pad_lengths, static)
             proposer.use_static(static)
+            static.capture_steps = static.can_capture and self._capturable(
+                output_scores or output_logits or streamer is not None or on_step is not None or handoff is not None
+            )
+            self.target = StaticCacheView(model, total, batch.pad_lengths, static)
+            if static.capture_steps:
+                self.step_graph = StepGraph(self, self.device_step, f"a speculative step of {type(model).__name__}")
         self.handoff = handoff  # adopts a filled past_key_values; keeps leaving rows' caches to hand back
         if handoff is not None:
             handoff.adopt(self.target)
@@ -161,7 +172,38 @@ class SpeculativeLoop:
         self.stats.calibration_time_s += time.perf_counter() - start
         return seconds
 
+    def _capturable(self, host_outputs: bool) -> bool:
+        """Whether a step's device work can be one CUDA graph: fixed shapes, no host read, no host output."""
+        sampling, stops = self.sampling, self.stop_rules
+        return (
+            not host_outputs
+            and self.exact is None
+            and not sampling.do_sample  # the random draws take the step number as a host value
+            and (len(sampling.pure) == 0 or sampling.prefix_free)
+            and len(stops.general) == 0
+            and self.proposer.capturable
+        )
+
     def step(self) -> None:
+        if self.step_graph is not None and self.prefilled:
+            self.step_graph.run(fits=self._fits())
+        else:
+            self.device_step()
+        self.stats.count_step(self.batch.batch_size - self.num_frozen)
+        self.retire_finished()
+        self.sampling.step += 1
+
+    def _fits(self) -> bool:
+        """Whether the next step's forwards fit every static cache without compacting (as the captured step did;
+        otherwise it runs eagerly and compacts)."""
+        graph = self.step_graph
+        return graph is not None and all(
+            view.offset_bound + max(graph.host_change(view, "offset_bound"), 2 * (self.k + 1)) <= view.max_columns
+            for view in self.static.views
+        )
+
+    def device_step(self) -> None:
+        """One step's device work: propose → verify → accept → commit → roll back (no host read on static caches)."""
         proposal = self.propose()
         target_logits = self.verify(proposal)  # [B, w, V]
         stop_hits = None
@@ -172,8 +214,6 @@ class SpeculativeLoop:
             output_ids = self.accept(proposal, scores)  # [B, w]
         num_kept, num_accepted = self.commit(proposal, output_ids, scores, target_logits, stop_hits)
         self.rollback(num_accepted)
-        self.retire_finished()
-        self.sampling.step += 1
 
     def _width(self, width: int) -> dict[str, int]:
         """The fixed slot count of a static forward (its CUDA graph); a dynamic forward finds its own."""
@@ -267,7 +307,7 @@ class SpeculativeLoop:
                 )
             )
         batch.lengths = batch.lengths + num_kept
-        self.stats.record_step(proposal.num_draft_tokens, num_accepted, batch.batch_size - self.num_frozen)
+        self.stats.record_step(proposal.num_draft_tokens, num_accepted)
         return num_kept, num_accepted
 
     def rollback(self, num_accepted: torch.Tensor) -> None:
@@ -364,6 +404,9 @@ class SpeculativeLoop:
         if self.static is not None:
             self.stats.compile_time_s = self.static.compile_time_s
             self.stats.num_compactions = self.static.num_compactions
+        if self.step_graph is not None:
+            self.stats.compile_time_s += self.step_graph.capture_time_s
+            self.stats.num_graph_replays = self.step_graph.replays
         sequences = self.sequences[:, :final_length]
         sequences = self.stop_rules.pad_finished(sequences, self.final_lengths, 0, {})
         if self.streamer is not None:

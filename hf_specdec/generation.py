@@ -8,6 +8,7 @@ own speculation arguments here.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -177,6 +178,9 @@ def generate(
     return result.sequences
 
 
+#: Set to 0 to keep static-cache steps uncaptured (a compiled forward per model call, each its own CUDA graph).
+CAPTURE_ENV = "HF_SPECDEC_CAPTURE_STEPS"
+
 #: Static caches get at least this many columns beyond max_length + k + 1 for holes between compactions.
 STATIC_HOLE_ROOM = 64
 
@@ -204,9 +208,18 @@ def static_plan(
     def compiled_for(m: PreTrainedModel) -> Callable | None:
         if m is model and spec.method == "mtp":  # MTP reads the target's hidden states through a forward hook
             return None
+        if plan.capture_steps:  # the loop captures whole steps: forwards compiled without graphs of their own
+            return compat.compiled_call_without_graphs(m, generation_config)
         return compat.compiled_call(m, generation_config)
 
-    return StaticPlan(k=k, max_columns=max_columns, compiled_call=compiled_for)
+    plan = StaticPlan(k=k, max_columns=max_columns, compiled_call=compiled_for)
+    plan.can_capture = (
+        model.device.type == "cuda"
+        and compat.compiled_call(model, generation_config) is not None
+        and spec.method != "mtp"
+        and os.environ.get(CAPTURE_ENV, "1") != "0"
+    )
+    return plan
 
 
 def build_handoff(

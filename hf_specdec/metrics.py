@@ -29,6 +29,7 @@ class SpecDecodeStats:
     calibration_time_s: float = 0.0  # seconds the adaptive schedule spent timing verify widths (first calls only)
     compile_time_s: float = 0.0  # seconds in forwards that compiled or captured a graph (static caches on a GPU)
     num_compactions: int = 0  # static caches: in-place compactions of holes
+    num_graph_replays: int = 0  # static caches on a GPU: steps run as one replayed CUDA graph
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
     # [2, k] drafted / accepted per position, on the loop's device until `finalize` (no host sync per step)
@@ -63,17 +64,19 @@ class SpecDecodeStats:
         self,
         num_draft_tokens: torch.Tensor,  # [B] drafts per row this step
         num_accepted: torch.Tensor,  # [B] accepted drafts per row this step
-        num_rows: int,  # rows that took part in the step (frozen rows of a static batch excluded)
     ) -> None:
-        """Add one verify step of the batch to the counters (on the device: no host sync)."""
-        self.num_steps += 1
-        self.num_row_steps += num_rows
+        """Add one verify step's drafts and acceptances to the counters (on the device: no host sync)."""
         if self._counts is None:
             raise RuntimeError("SpecDecodeStats.start(max_k, device) must be called before record_step")
         positions = torch.arange(self._counts.shape[1], device=num_draft_tokens.device)  # [k]
         drafted = (positions < num_draft_tokens[:, None]).sum(0)  # [k]
         accepted = (positions < num_accepted[:, None]).sum(0)  # [k]
         self._counts += torch.stack([drafted, accepted])
+
+    def count_step(self, num_rows: int) -> None:
+        """Count one verify step of `num_rows` rows (frozen rows of a static batch excluded): host counters."""
+        self.num_steps += 1
+        self.num_row_steps += num_rows
 
     def finalize(self) -> None:
         """Copy the device counters to the plain fields (one host sync, at the end of the call)."""

@@ -93,15 +93,17 @@ class StaticCacheView(CacheView):
             torch._foreach_copy_(counters, [self.offset] * len(counters))
         call = self.model if not self.prefilled or self.compiled_call is None else self.compiled_call
         compiled_before = 0
-        if call is not self.model:
+        own_graph = call is not self.model and not self.plan.capture_steps  # a compiled call with its own CUDA graph
+        if own_graph:
             torch.compiler.cudagraph_mark_step_begin()
+        if call is not self.model:
             compiled_before, start = compat.num_compiled_graphs(), time.perf_counter()
         logits = self.run_model(input_ids, mask, position_ids, logits_to_keep or 0, call)
         if call is not self.model and compat.num_compiled_graphs() != compiled_before:  # this call compiled
             torch.cuda.synchronize(token_ids.device)
             self.plan.compile_time_s += time.perf_counter() - start
         # A graph's outputs are overwritten by its next replay: keep a copy.
-        logits = logits.float() if logits.dtype != torch.float32 else logits.clone()
+        logits = logits.float() if logits.dtype != torch.float32 or not own_graph else logits.clone()
         self.offset = self.offset + width
         self.offset_bound += width
         self.prefilled = True

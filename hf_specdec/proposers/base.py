@@ -56,6 +56,9 @@ class Proposer(ABC):
     #: True when a row's drafts depend only on that row's tokens (no per-row state across steps), so that
     #: `Top1Proposer` may call `propose` on a sub-batch of the rows that speculate.
     stateless: bool = False
+    #: True when, on static caches, `propose` and `commit` run fixed-shape device work only (no host read, host
+    #: state that moves the same way every step), so a whole step can be captured as one CUDA graph.
+    capturable: bool = False
 
     #: True when proposing costs next to nothing next to a verify (the n-gram search): the adaptive schedule then
     #: lets every row propose k drafts and decides from the drafts (and their `draft_keys`) how many to verify.

@@ -85,6 +85,11 @@ class DraftModelProposer(Proposer):
     def returns_probs(self) -> bool:  # type: ignore[override]
         return True
 
+    @property
+    def capturable(self) -> bool:  # type: ignore[override]
+        """HF's confidence threshold learns on the host from each step; without it a static step is device work."""
+        return self.confidence_threshold is None
+
     def new_view(self, batch: RaggedBatch) -> CacheView:
         """The draft's cache over the batch (early exit runs a truncated target through its own view)."""
         if self.static is not None:

@@ -132,6 +132,11 @@ class Top1Proposer(Proposer):
         self.last_num_draft_tokens = proposal.num_draft_tokens
         return proposal
 
+    @property
+    def capturable(self) -> bool:  # type: ignore[override]
+        """Without a schedule a static step drafts k for every row, no host decision: capturable if the inner is."""
+        return self.schedule is None and self.inner.capturable
+
     def commit(self, batch: RaggedBatch, num_accepted: torch.Tensor) -> None:
         if self.schedule is not None and self.last_num_draft_tokens is not None:
             self.schedule.observe(self.last_num_draft_tokens, num_accepted)

@@ -177,7 +177,45 @@ def test_compiled_path_on_cuda_is_exact_and_compiles_once(method):
     spec = make_spec()
     compiled = spec_generate(target, inputs, spec, **gen, cache_implementation="static")
     assert torch.equal(eager, expected) and torch.equal(compiled, expected)
+    # A draft model's steps are captured whole (`hf_specdec.step_graph`); the n-gram search reads the host.
+    assert (spec.last_stats.num_graph_replays > 0) == (method == "draft")
     graphs = compat.num_compiled_graphs()
     again = spec_generate(target, inputs, spec, **gen, cache_implementation="static")
     assert torch.equal(again, expected)
-    assert compat.num_compiled_graphs() == graphs and spec.last_stats.compile_time_s == 0.0
+    assert compat.num_compiled_graphs() == graphs
+    assert spec.last_stats.compile_time_s < (0.5 if method == "draft" else 1e-9)  # only the step's capture
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("batch_size", [1, 3, 8])
+def test_captured_steps_on_cuda_stay_exact_through_finishers_and_compaction(batch_size):
+    """Whole steps replayed as one CUDA graph: identical to plain static `generate` with a draft that is often
+    wrong (holes), a generation long enough to compact, and rows that stop early at EOS (frozen inside the batch);
+    the same call with capture switched off gives the same tokens."""
+    import os
+
+    from hf_specdec.generation import CAPTURE_ENV
+
+    torch._dynamo.config.cache_size_limit = 64
+    target = make_model("llama", seed=0)
+    draft = make_noisy_copy(target, noise=0.2, seed=3).cuda()
+    target = target.cuda()
+    inputs = {name: t.cuda() for name, t in make_prompts(batch_size, seed=5).items()}
+    long = dict(max_new_tokens=96, do_sample=False, eos_token_id=None)
+    plain = target.generate(**inputs, **long, cache_implementation="static")
+    spec = hf_specdec.SpecDecoder(draft_model=draft, num_speculative_tokens=4)
+    assert torch.equal(spec_generate(target, inputs, spec, **long, cache_implementation="static"), plain)
+    assert spec.last_stats.num_graph_replays > 0 and spec.last_stats.num_compactions > 0
+    # EOS: the token the last row emits 30 tokens in, so that it (at least) stops early while others go on.
+    eos = int(plain[-1, inputs["input_ids"].shape[1] + 30])
+    gen = dict(max_new_tokens=96, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    expected = target.generate(**inputs, **gen, cache_implementation="static")
+    assert (expected == 0).any()  # some row finished early (padded after its EOS)
+    assert torch.equal(spec_generate(target, inputs, spec, **gen, cache_implementation="static"), expected)
+    assert spec.last_stats.num_graph_replays > 0
+    os.environ[CAPTURE_ENV] = "0"
+    try:
+        uncaptured = spec_generate(target, inputs, spec, **gen, cache_implementation="static")
+    finally:
+        del os.environ[CAPTURE_ENV]
+    assert torch.equal(uncaptured, expected) and spec.last_stats.num_graph_replays == 0

@@ -1,0 +1,55 @@
+"""`hf_specdec.step_graph`: what a captured step may change on the host, found on real hf_specdec objects.
+
+The capture itself needs a GPU (tests/core/test_static_cache.py's CUDA tests); these check, on the CPU, the rules
+that decide whether a step can be replayed: which objects hold state, which host changes replay, which refuse."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_specdec.batch import RaggedBatch
+from hf_specdec.metrics import SpecDecodeStats
+from hf_specdec.step_graph import StepGraph, UncapturableStep, state_owners
+
+
+class Owner:  # hf_specdec objects are found by module: this test module is not one
+    pass
+
+
+def test_state_owners_follow_hf_specdec_objects_through_lists_once():
+    batch = RaggedBatch.from_prompts(torch.tensor([[5, 6, 7]]), None, 8)
+    stats = SpecDecodeStats()
+    stats.extra = [batch, batch]  # reached twice: listed once
+    owners = state_owners(stats)
+    assert owners[0] is stats and batch in owners and len(owners) == 2
+    stranger = Owner()
+    stranger.batch = batch
+    assert state_owners(stranger) == []  # not an hf_specdec object: not walked
+
+
+def test_host_counters_replay_their_change_and_other_host_changes_refuse():
+    stats = SpecDecodeStats()
+    owners = state_owners(stats)
+    before = {(id(o), n): (o, v) for o in owners for n, v in vars(o).items() if not isinstance(v, torch.Tensor)}
+    stats.num_steps += 3
+    assert StepGraph._host_deltas(owners, before) == [(stats, "num_steps", 3)]
+    stats.wall_time_s = 1.5  # a float that moves is not a counter a replay can advance
+    with pytest.raises(UncapturableStep, match="wall_time_s"):
+        StepGraph._host_deltas(owners, before)
+
+
+def test_replaced_state_tensors_are_copied_home_and_shared_ones_refuse():
+    batch = RaggedBatch.from_prompts(torch.tensor([[5, 6, 7], [0, 8, 9]]), torch.tensor([[1, 1, 1], [0, 1, 1]]), 8)
+    graph = StepGraph(batch, lambda: None, "a test step")
+    before = [(batch, name, value) for name, value in vars(batch).items() if isinstance(value, torch.Tensor)]
+    home = batch.lengths
+    batch.lengths = batch.lengths + 2  # what a step does
+    rebinds = graph._copy_back(before)
+    assert [(r.name, r.home is home) for r in rebinds] == [("lengths", True)]
+    assert home.tolist() == [5, 5]  # the new value, in the tensor the next replay reads
+    batch.pad_lengths = batch.lengths  # two attributes on one tensor: a copy home would change both
+    before = [(batch, name, value) for name, value in vars(batch).items() if isinstance(value, torch.Tensor)]
+    batch.lengths = batch.lengths + 1
+    with pytest.raises(UncapturableStep, match="shares its tensor"):
+        graph._copy_back(before)
