@@ -188,14 +188,16 @@ def test_compiled_path_on_cuda_is_exact_and_compiles_once(method):
 
 @pytest.mark.requires_cuda
 @pytest.mark.parametrize("batch_size", [1, 3, 8])
-def test_captured_steps_on_cuda_stay_exact_through_finishers_and_compaction(batch_size):
+def test_captured_steps_on_cuda_stay_exact_through_finishers_and_compaction(batch_size, monkeypatch):
     """Whole steps replayed as one CUDA graph: identical to plain static `generate` with a draft that is often
     wrong (holes), a generation long enough to compact, and rows that stop early at EOS (frozen inside the batch);
     the same call with capture switched off gives the same tokens."""
     import os
 
+    from hf_specdec import generation
     from hf_specdec.generation import CAPTURE_ENV
 
+    monkeypatch.setattr(generation, "STATIC_HOLE_ROOM", 8)  # little room for holes: lagging rows compact often
     torch._dynamo.config.cache_size_limit = 64
     target = make_model("llama", seed=0)
     draft = make_noisy_copy(target, noise=0.2, seed=3).cuda()
@@ -205,7 +207,8 @@ def test_captured_steps_on_cuda_stay_exact_through_finishers_and_compaction(batc
     plain = target.generate(**inputs, **long, cache_implementation="static")
     spec = hf_specdec.SpecDecoder(draft_model=draft, num_speculative_tokens=4)
     assert torch.equal(spec_generate(target, inputs, spec, **long, cache_implementation="static"), plain)
-    assert spec.last_stats.num_graph_replays > 0 and spec.last_stats.num_compactions > 0
+    # One row never compacts: its rejected drafts are all at the end, and the write offset simply moves back.
+    assert spec.last_stats.num_graph_replays > 0 and (spec.last_stats.num_compactions > 0) == (batch_size > 1)
     # EOS: the token the last row emits 30 tokens in, so that it (at least) stops early while others go on.
     eos = int(plain[-1, inputs["input_ids"].shape[1] + 30])
     gen = dict(max_new_tokens=96, do_sample=False, eos_token_id=eos, pad_token_id=0)
