@@ -352,10 +352,21 @@ class AdaptiveSchedule(SpeculationSchedule):
         """
         return (self.row_weight + self.row_accepted) / (self.row_weight + self.row_expected)
 
+    @property
+    def plans_on_host(self) -> bool:
+        """Whether the choice is made before drafting, on the host alone (`host_budgets`): a draft model's steps
+        can then be captured as CUDA graphs, one for drafting steps and one for steps without drafts."""
+        return not self.propose_first
+
     def budgets(self, batch: RaggedBatch) -> torch.Tensor:  # [B]
+        return self.host_budgets(batch).to(batch.device)
+
+    def host_budgets(self, batch: RaggedBatch) -> torch.Tensor:  # [B] (host)
+        """Drafts each row may have this step, decided on the host; also starts timing the step."""
+        self.keys = torch.zeros(batch.batch_size, dtype=torch.long)  # a draft model's rows have one key
         if self.prefilling:  # step 0 (the prefill) drafts nothing: its costs are not known, and it is plain's own
             self.prefilling = False
-            return torch.zeros(batch.batch_size, dtype=torch.long, device=batch.device)
+            return torch.zeros(batch.batch_size, dtype=torch.long)
         now = time.perf_counter()
         if self.pending is not None and not self.first_step:  # the call's first step pays warm-ups: not a cost
             step = self.pending
@@ -367,8 +378,8 @@ class AdaptiveSchedule(SpeculationSchedule):
         self.pending = _Step(costs, context_bucket(context), time.perf_counter())
         full = torch.full((batch.batch_size,), self.max_k, dtype=torch.long)  # [B]
         if self.propose_first:
-            return full.to(batch.device)
-        return self._choose(torch.zeros(batch.batch_size, dtype=torch.long), full).to(batch.device)
+            return full
+        return self._choose(self.keys, full)
 
     def trim(self, proposal: Proposal) -> torch.Tensor:  # [B]
         num = proposal.num_draft_tokens.cpu()

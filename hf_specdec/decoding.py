@@ -100,12 +100,14 @@ class SpeculativeLoop:
             self.target = view_factory(model, batch) if view_factory else CacheView(model, total, batch.pad_lengths)
         else:
             proposer.use_static(static)
-            static.capture_steps = static.can_capture and self._capturable(
+            capturable = self._capturable(
                 output_scores or output_logits or streamer is not None or on_step is not None or handoff is not None
             )
+            static.capture_steps = static.can_capture and capturable
             self.target = StaticCacheView(model, total, batch.pad_lengths, static)
-            if static.capture_steps:
-                self.step_graph = StepGraph(self, self.device_step, f"a speculative step of {type(model).__name__}")
+            if capturable:  # planned steps (host decisions, then device work); captured on a GPU
+                description = f"a speculative step of {type(model).__name__}"
+                self.step_graph = StepGraph(self, self.device_step, description, capture=static.capture_steps)
         self.handoff = handoff  # adopts a filled past_key_values; keeps leaving rows' caches to hand back
         if handoff is not None:
             handoff.adopt(self.target)
@@ -185,12 +187,13 @@ class SpeculativeLoop:
         )
 
     def step(self) -> None:
-        if self.step_graph is not None and self.prefilled:
-            self.step_graph.run(fits=self._fits())
+        if self.step_graph is not None and self.prefilled:  # host decisions first, then the device work
+            self.step_graph.run(self.proposer.plan_step(self.batch), fits=self._fits())
         else:
             self.device_step()
         self.stats.count_step(self.batch.batch_size - self.num_frozen)
         self.retire_finished()
+        self.proposer.after_step()
         self.sampling.step += 1
 
     def _fits(self) -> bool:

@@ -18,8 +18,9 @@ exact, with a one-time warning.
 
 from __future__ import annotations
 
+import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -66,58 +67,65 @@ class UncapturableStep(RuntimeError):
     """The step changes state in a way a replayed graph cannot reproduce."""
 
 
-class StepGraph:
-    """Captures `step` (a function of no arguments doing one step's device work) once, then replays it."""
+@dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    host_deltas: list[tuple[object, str, int]]  # (owner, attribute, change per replay)
 
-    def __init__(self, root: object, step: Callable[[], None], description: str) -> None:
+
+class StepGraph:
+    """Captures `step` (a function of no arguments doing one step's device work) once per key, then replays it.
+
+    The key names the host decisions that shape a step's device work (e.g. whether it drafts): steps with the same
+    key run the same kernels on the same addresses. `run(None, ...)` runs a step eagerly."""
+
+    def __init__(self, root: object, step: Callable[[], None], description: str, capture: bool = True) -> None:
         self.root = root
+        self.capture = capture  # False (no GPU, or compiling switched off): every step runs eagerly
         self.step = step
         self.description = description  # what is captured, for the warning when it cannot be
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.rebinds: list[_Rebind] = []
-        self.host_deltas: list[tuple[object, str, int]] = []  # (owner, attribute, change per step)
-        self.eager_steps = 0
-        self.failed = False
+        self.graphs: dict[Hashable, _Captured] = {}
+        self.rebinds: list[_Rebind] = []  # every graph's: an attribute has one home, whichever graph found it
+        self.eager_steps: dict[Hashable, int] = {}
+        self.refused: set[Hashable] = set()
         self.capture_time_s = 0.0
         self.replays = 0
 
-    def run(self, fits: bool) -> None:
-        """One step: replayed when captured and `fits` (no cache needs compacting), else eagerly."""
-        if self.failed or not fits:
-            self._eager()
+    def run(self, key: Hashable | None, fits: bool) -> None:
+        """One step: replayed when its key's graph is captured and `fits` (no cache needs compacting), else eager."""
+        if key is None or not self.capture or key in self.refused or not fits:
+            self._eager(key)
             return
-        if self.graph is None:
-            if self.eager_steps < WARMUP_STEPS:
-                self._eager()
+        captured = self.graphs.get(key)
+        if captured is None:
+            if self.eager_steps.get(key, 0) < WARMUP_STEPS:
+                self._eager(key)
                 return
-            self._capture()
-            if self.graph is None:  # refused: this step runs eagerly, as every later one
-                self._eager()
+            captured = self._capture(key)
+            if captured is None:  # refused: steps with this key run eagerly
+                self._eager(key)
                 return
-        self.graph.replay()
+        captured.graph.replay()
         self.replays += 1
-        self._advance_host()
+        for owner, name, delta in captured.host_deltas:
+            setattr(owner, name, getattr(owner, name) + delta)
 
     def host_change(self, owner: object, name: str) -> int:
-        """How much a captured step moves host counter `owner.name` (0 when it does not)."""
-        return sum(delta for o, n, delta in self.host_deltas if o is owner and n == name)
+        """The most any captured step moves host counter `owner.name` (0 when none does)."""
+        return max(
+            (d for c in self.graphs.values() for o, n, d in c.host_deltas if o is owner and n == name), default=0
+        )
 
-    def _eager(self) -> None:
+    def _eager(self, key: Hashable | None) -> None:
         self.step()
-        self.eager_steps += 1
-        for rebind in self.rebinds:  # an eager step replaces tensors too: put the values where the graph reads
+        self.eager_steps[key] = self.eager_steps.get(key, 0) + 1
+        for rebind in self.rebinds:  # an eager step replaces tensors too: put the values where the graphs read
             current = getattr(rebind.owner, rebind.name)
             if current is not rebind.home:
                 rebind.home.copy_(current)
                 setattr(rebind.owner, rebind.name, rebind.home)
 
-    def _advance_host(self) -> None:
-        for owner, name, delta in self.host_deltas:
-            setattr(owner, name, getattr(owner, name) + delta)
-
-    def _capture(self) -> None:
-        import time
-
+    def _capture(self, key: Hashable) -> _Captured | None:
         start = time.perf_counter()
         owners = state_owners(self.root)
         tensors_before = [(o, n, t) for o, n, t in _attributes(owners, torch.Tensor)]
@@ -128,20 +136,18 @@ class StepGraph:
             with torch.cuda.graph(graph):
                 self.step()
                 rebinds = self._copy_back(tensors_before)
-        except Exception as error:  # noqa: BLE001 - any refusal by CUDA graphs means: run this call eagerly
+            host_deltas = self._host_deltas(owners, hosts_before)
+        except Exception as error:  # noqa: BLE001 - any refusal by CUDA graphs means: run these steps eagerly
             self._restore(tensors_before, hosts_before)
-            self._refuse(f"{type(error).__name__}: {error}")
-            return
+            self._refuse(key, f"{type(error).__name__}: {error}")
+            return None
+        # The capture ran the host code but no kernel: every attribute goes back to its value before the step.
         self._restore(tensors_before, hosts_before, keep=rebinds)
-        try:
-            self.host_deltas = self._host_deltas(owners, hosts_before)
-        except UncapturableStep as error:
-            self._restore(tensors_before, hosts_before)
-            self._refuse(str(error))
-            return
-        self._restore_host(hosts_before)  # the capture ran the host code but no kernel: undo its host changes
-        self.graph, self.rebinds = graph, rebinds
-        self.capture_time_s = time.perf_counter() - start
+        known = {(id(r.owner), r.name) for r in self.rebinds}
+        self.rebinds += [r for r in rebinds if (id(r.owner), r.name) not in known]
+        captured = self.graphs[key] = _Captured(graph, host_deltas)
+        self.capture_time_s += time.perf_counter() - start
+        return captured
 
     def _copy_back(self, tensors_before: list[tuple[object, str, torch.Tensor]]) -> list[_Rebind]:
         """Inside the capture: copy each replaced state tensor's new value into the tensor the step started from."""
@@ -165,17 +171,13 @@ class StepGraph:
 
     @staticmethod
     def _restore(tensors_before: list, hosts_before: dict, keep: list[_Rebind] | None = None) -> None:
-        """Point every tensor attribute back at its tensor from before the capture (its value is unchanged: a
-        capture runs no kernel); attributes replaced by a write-only output keep the graph's output tensor."""
+        """Point tensor attributes back at their tensors from before the capture (their values are unchanged: a
+        capture runs no kernel) — with `keep`, only those rebound (a write-only output keeps the graph's tensor)
+        — and host attributes back at their values."""
         rebound = {(id(r.owner), r.name) for r in keep} if keep is not None else None
         for owner, name, before in tensors_before:
             if rebound is None or (id(owner), name) in rebound:
                 setattr(owner, name, before)
-        if keep is None:
-            StepGraph._restore_host(hosts_before)
-
-    @staticmethod
-    def _restore_host(hosts_before: dict) -> None:
         for (_, name), (owner, value) in hosts_before.items():
             setattr(owner, name, value)
 
@@ -200,11 +202,14 @@ class StepGraph:
                     )
         return deltas
 
-    def _refuse(self, why: str) -> None:
-        self.failed = True
+    def _refuse(self, key: Hashable, why: str) -> None:
+        first = not self.refused
+        self.refused.add(key)
+        if not first:
+            return
         warnings.warn(
-            f"hf_specdec could not capture {self.description} as one CUDA graph ({why}); this call goes on with "
-            "a compiled forward per model call instead (same output, slower).",
+            f"hf_specdec could not capture {self.description} as one CUDA graph ({why}); such steps "
+            "run uncaptured, each forward compiled on its own (same output, slower).",
             RuntimeWarning,
             stacklevel=4,
         )

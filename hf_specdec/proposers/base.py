@@ -8,7 +8,7 @@ draft tokens (`Proposal`). The decoding loop calls `prefill` once, then per step
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -100,6 +100,15 @@ class Proposer(ABC):
         num_accepted [B] int64: drafts of this step that the target accepted, per row.
         Stateful proposers roll their caches back to what the sequences now hold.
         """
+
+    def plan_step(self, batch: RaggedBatch) -> Hashable | None:
+        """Static caches, a capturable proposer: make this step's host decisions before its device work, and name
+        them (the key of the step's CUDA graph: steps with equal keys run the same kernels). None: this step
+        cannot be replayed (it runs uncaptured)."""
+        return () if self.capturable else None
+
+    def after_step(self) -> None:  # noqa: B027
+        """Called after every step, outside its device work: host-side learning from the step's outcome."""
 
     def select_rows(self, keep: torch.Tensor) -> None:  # noqa: B027
         """Keep only rows `keep` ([B'] int64 indices into the current batch): the others finished."""

@@ -11,7 +11,7 @@ draft's position limit: its prefill skips rows already past it, and `Top1Propose
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING
 
 import torch
@@ -172,6 +172,11 @@ class DraftModelProposer(Proposer):
             num_draft_tokens=num_draft,
             draft_probs=probs[:, :width] if probs is not None else None,
         )
+
+    def plan_step(self, batch: RaggedBatch) -> Hashable | None:
+        """A drafting step's catch-up forwards depend on how far behind the draft is: steady state (after a step
+        that drafted) or the first step is one shape; after steps without drafts it runs uncaptured."""
+        return self.behind if self.capturable and self.behind <= 2 else None
 
     def _servable(self, batch: RaggedBatch) -> torch.Tensor:  # [B] bool
         """Rows whose tokens all sit at positions the draft was built for (the others never draft again)."""

@@ -10,7 +10,7 @@ place where per-row draft budgets are decided.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING
 
 import torch
@@ -67,6 +67,11 @@ class Top1Proposer(Proposer):
         self.limit = min(limits) if limits else None
         self.schedule = schedule
         self.last_num_draft_tokens: torch.Tensor | None = None  # [B] drafts of the latest proposal
+        # Static caches with a schedule that decides on the host (`plan_step`): the step's draft width (0 or k),
+        # the rows' budgets on the device (filled before the step's graph), and what it accepted (for after_step).
+        self.planned_width: int | None = None
+        self.planned_budgets: torch.Tensor | None = None  # [B]
+        self.last_num_accepted: torch.Tensor | None = None  # [B]
 
     @property
     def returns_probs(self) -> bool:  # type: ignore[override]
@@ -100,19 +105,52 @@ class Top1Proposer(Proposer):
         """Drafts each row may have this step: the loop's room, the schedule's choice and the length limit."""
         budget = max_draft_tokens.clone()  # [B]
         if self.schedule is not None:
-            budget = torch.minimum(budget, self.schedule.budgets(batch))
+            planned = self.planned_budgets if self.planned_width is not None else None
+            budget = torch.minimum(budget, planned if planned is not None else self.schedule.budgets(batch))
         by_length = length_budget(batch.lengths - batch.pad_lengths, self.limit)
         if by_length is not None:
             budget = torch.minimum(budget, by_length)
         return budget
 
+    @property
+    def capturable(self) -> bool:  # type: ignore[override]
+        """A static step is device work alone when the schedule (if any) decides on the host before drafting."""
+        return self.inner.capturable and (self.schedule is None or getattr(self.schedule, "plans_on_host", False))
+
+    def plan_step(self, batch: RaggedBatch) -> Hashable | None:
+        """The schedule's choice for this step, made on the host before its device work: no row drafts (one
+        graph) or some rows do, each up to its budget, at the fixed width k (the inner proposer's graph)."""
+        if not self.capturable:
+            return None
+        if self.schedule is not None:
+            budgets = self.schedule.host_budgets(batch)  # [B] (host)
+            if self.planned_budgets is None:
+                self.planned_budgets = budgets.to(batch.device)
+            else:
+                self.planned_budgets.copy_(budgets)  # in place: the graphs read it there
+            self.planned_width = self.static.k if bool((budgets > 0).any()) else 0
+            if self.planned_width == 0:
+                return ("plain",)
+        inner = self.inner.plan_step(batch)
+        return None if inner is None else ("draft", inner)
+
+    def after_step(self) -> None:
+        if self.planned_width is not None and self.last_num_accepted is not None:
+            self.schedule.observe(self.last_num_draft_tokens, self.last_num_accepted)
+        self.inner.after_step()
+
     def propose(self, batch: RaggedBatch, max_draft_tokens: torch.Tensor, sampling: StepSampling) -> Proposal:
-        budget = self.budgets(batch, max_draft_tokens)  # [B]
-        if self.static is not None and self.schedule is None:
-            # Fixed shapes, no host sync: every row goes to the inner proposer (budget 0 drafts nothing), width k.
-            proposal = _clip(self.inner.propose(batch, budget, sampling), budget, width=self.static.k)
+        if self.static is not None and (self.schedule is None or self.planned_width is not None):
+            # Fixed shapes, no host sync: every row goes to the inner proposer (budget 0 drafts nothing), width k;
+            # or, when the schedule planned no drafts at all, no row does.
+            if self.planned_width == 0:
+                proposal = Proposal.empty(batch.batch_size, batch.device)
+            else:
+                budget = self.budgets(batch, max_draft_tokens)  # [B]
+                proposal = _clip(self.inner.propose(batch, budget, sampling), budget, width=self.static.k)
             self.last_num_draft_tokens = proposal.num_draft_tokens
             return proposal
+        budget = self.budgets(batch, max_draft_tokens)  # [B]
         speculating = budget > 0  # [B]
         num_speculating = int(speculating.sum().item()) if batch.batch_size else 0
         if num_speculating == 0:
@@ -132,14 +170,12 @@ class Top1Proposer(Proposer):
         self.last_num_draft_tokens = proposal.num_draft_tokens
         return proposal
 
-    @property
-    def capturable(self) -> bool:  # type: ignore[override]
-        """Without a schedule a static step drafts k for every row, no host decision: capturable if the inner is."""
-        return self.schedule is None and self.inner.capturable
-
     def commit(self, batch: RaggedBatch, num_accepted: torch.Tensor) -> None:
         if self.schedule is not None and self.last_num_draft_tokens is not None:
-            self.schedule.observe(self.last_num_draft_tokens, num_accepted)
+            if self.planned_width is not None:  # a planned step: the schedule reads it after the step (no sync)
+                self.last_num_accepted = num_accepted
+            else:
+                self.schedule.observe(self.last_num_draft_tokens, num_accepted)
         self.inner.commit(batch, num_accepted)
 
     def select_rows(self, keep: torch.Tensor) -> None:
