@@ -161,6 +161,7 @@ class StepCosts:
     contexts: dict[int, MeasuredSteps] = field(default_factory=dict)  # context bucket -> measured steps
     draft_cost: float = 0.0  # seconds per draft token, for proposers that draft only when asked to
     draft_prior: float = 0.0  # what `draft_cost` is taken to be before drafting was measured, and fades back to
+    draft_measured: bool = False  # a drafting step was measured: `draft_cost` is no longer the prior alone
     smoothing: float = 0.1  # weight of a new sample
     min_samples: int = 2
     idle_decay: float = 0.99  # per plain step: a drafting cost not re-measured fades (speculation is re-tried)
@@ -214,6 +215,7 @@ class StepCosts:
             self.draft_cost = self.draft_prior + (self.draft_cost - self.draft_prior) * self.idle_decay
         elif drafts_separately:
             self.draft_cost += self.smoothing * (max(seconds - scaled, 0.0) / (width - 1) - self.draft_cost)
+            self.draft_measured = True
         n = steps.samples.get(width, 0)
         steps.seconds[width] = (
             seconds if n == 0 else steps.seconds[width] + self.smoothing * (seconds - steps.seconds[width])
@@ -325,9 +327,10 @@ class AdaptiveSchedule(SpeculationSchedule):
             if not nearby:
                 raise RuntimeError("AdaptiveSchedule has no step costs: calibrate() must run after the prefill.")
             costs = StepCosts(forward=dict(self.memory.costs[(self.cost_key, min(nearby)[1])].forward))
-        if self.draft_share and not costs.draft_prior:
+        if self.draft_share:  # follows the fastest forward timed so far (a first timing may include a compile)
             costs.draft_prior = self.draft_share * costs.forward_at(1)
-            costs.draft_cost = max(costs.draft_cost, costs.draft_prior)
+            if not costs.draft_measured:
+                costs.draft_cost = costs.draft_prior
         self.memory.costs[(self.cost_key, batch_size)] = costs
         return costs
 

@@ -330,3 +330,22 @@ def test_model_serial_names_a_model_and_is_never_reused():
     del first
     gc.collect()
     assert model_serial(Model()) != serial
+
+
+def test_a_draft_models_cost_prior_follows_the_fastest_forward():
+    """A first call's timing may include compiling the forward (seconds where a forward takes milliseconds): the
+    drafting cost taken before drafting is measured follows later, faster timings, or the schedule would never
+    draft again after its first call."""
+
+    class Model:
+        pass
+
+    model = Model()
+    for seconds in (30.0, 0.01):  # the first call's timings compile; the second call's do not
+        schedule = AdaptiveSchedule(2, model, "draft:0", propose_first=False, draft_share=0.1)  # 3 widths per call
+        schedule.calibrate(lambda width, seconds=seconds: seconds)
+        costs = schedule.costs(batch_size=1)
+    assert costs.draft_cost == pytest.approx(0.001)
+    costs.record(3, 64, 0.05, drafts_separately=True)  # a measured drafting step: the measure counts from now on
+    schedule.costs(batch_size=1)
+    assert costs.draft_measured and costs.draft_cost != pytest.approx(0.001)
