@@ -1,6 +1,8 @@
 """Plots for docs/benchmarks.md from the JSON files the GPU benchmarks write (matplotlib, no GPU needed).
 
-Run: `python benchmarks/plot_results.py docs/results/rejection_h100.json docs/results/e2e_h100.json --out docs`
+Run: `python benchmarks/plot_results.py docs/results/rejection_h100.json docs/results/e2e_h100.json --out docs`;
+`python benchmarks/plot_results.py --compiled docs/results/compiled_h100_*_captured.json --out docs` for the
+compiled static-cache path (`bench_gpu_compiled.py`).
 """
 
 from __future__ import annotations
@@ -50,15 +52,47 @@ def plot_e2e(data: dict, out: Path) -> None:
     fig.savefig(out / "e2e_h100.png", dpi=110)
 
 
+COMPILED_METHODS = {  # bench_gpu_compiled.py's columns, in plotting order
+    "plain_eager": "plain eager",
+    "plain_compiled": "plain compiled (baseline)",
+    "ours_eager": "hf_specdec eager",
+    "ours_compiled_per_forward_graphs": "hf_specdec static, a graph per forward",
+    "ours_compiled": "hf_specdec static, whole step captured",
+}
+
+
+def plot_compiled(files: list[Path], out: Path) -> None:
+    """Each setting's tokens per second over compiled plain decoding's, per method."""
+    rows = [row for f in files for row in json.loads(f.read_text())["rows"]]
+    fig, ax = plt.subplots(figsize=(11, 4))
+    width = 0.8 / len(COMPILED_METHODS)
+    for j, (key, label) in enumerate(COMPILED_METHODS.items()):
+        xs = [i + (j - len(COMPILED_METHODS) / 2 + 0.5) * width for i, r in enumerate(rows) if key in r["tps"]]
+        ys = [r["tps"][key] / r["tps"]["plain_compiled"] for r in rows if key in r["tps"]]
+        ax.bar(xs, ys, width, label=label)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xticks(range(len(rows)), [r["setting"].replace(" alpha", "\nalpha") for r in rows], fontsize=8)
+    ax.set_ylabel("tokens/s over compiled plain")
+    ax.set_title("8B-shaped Llama, synthetic-alpha draft, static cache, H100")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "compiled_h100.png", dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("rejection")
-    parser.add_argument("e2e")
+    parser.add_argument("rejection", nargs="?")
+    parser.add_argument("e2e", nargs="?")
+    parser.add_argument("--compiled", nargs="+", type=Path, default=[])
     parser.add_argument("--out", default="docs")
     args = parser.parse_args()
     out = Path(args.out)
-    plot_rejection(json.loads(Path(args.rejection).read_text()), out)
-    plot_e2e(json.loads(Path(args.e2e).read_text()), out)
+    if args.rejection:
+        plot_rejection(json.loads(Path(args.rejection).read_text()), out)
+    if args.e2e:
+        plot_e2e(json.loads(Path(args.e2e).read_text()), out)
+    if args.compiled:
+        plot_compiled(args.compiled, out)
 
 
 if __name__ == "__main__":

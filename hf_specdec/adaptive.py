@@ -282,6 +282,9 @@ class AdaptiveSchedule(SpeculationSchedule):
         draft_share (`float`, *optional*, defaults to 0.0): What drafting one token costs, as a share of a one-token
             target forward, until it is measured (a draft model's parameters over the target's): without it a
             draft as large as the target would look free where wide verifies cost little more than narrow ones.
+        static (`bool`, *optional*, defaults to False): The call runs on static caches. Its step costs are kept
+            apart from the dynamic path's (a captured step on a GPU costs a third of an eager one); what drafts are
+            worth is shared.
     """
 
     def __init__(
@@ -294,11 +297,13 @@ class AdaptiveSchedule(SpeculationSchedule):
         row_weight: float = 1.0,
         row_decay: float = 0.97,
         draft_share: float = 0.0,
+        static: bool = False,
     ) -> None:
         super().__init__(max_k)
         self.memory = _MEMORY.setdefault(model, ModelMemory()) if model is not None else ModelMemory()
         self.stats = self.memory.stats.setdefault((cost_key, max_k), AcceptanceStats(max_k))
         self.cost_key = cost_key
+        self.costs_name = f"{cost_key}@static" if static else cost_key  # step costs are kept per path
         self.propose_first = propose_first
         self.margin = margin
         self.time_verify: Callable[[int], float] | None = None
@@ -315,7 +320,7 @@ class AdaptiveSchedule(SpeculationSchedule):
     def costs(self, batch_size: int) -> StepCosts:
         """This batch size's costs: a few widths timed at each call's first step until all are timed (`calibrate`),
         else borrowed from the nearest batch size."""
-        costs = self.memory.costs.get((self.cost_key, batch_size))
+        costs = self.memory.costs.get((self.costs_name, batch_size))
         widths = range(1, self.max_k + 2)
         known = costs is not None and costs.calibrated and costs.covers(widths)
         if self.time_verify is not None and not (known and costs.complete(widths)):
@@ -323,15 +328,15 @@ class AdaptiveSchedule(SpeculationSchedule):
             costs.calibrate(self.time_verify, widths)
         elif not known:
             nearby = [(abs(b - batch_size), b) for (key, b), c in self.memory.costs.items()
-                      if key == self.cost_key and c.calibrated and c.covers(widths)]  # fmt: skip
+                      if key == self.costs_name and c.calibrated and c.covers(widths)]  # fmt: skip
             if not nearby:
                 raise RuntimeError("AdaptiveSchedule has no step costs: calibrate() must run after the prefill.")
-            costs = StepCosts(forward=dict(self.memory.costs[(self.cost_key, min(nearby)[1])].forward))
+            costs = StepCosts(forward=dict(self.memory.costs[(self.costs_name, min(nearby)[1])].forward))
         if self.draft_share:  # follows the fastest forward timed so far (a first timing may include a compile)
             costs.draft_prior = self.draft_share * costs.forward_at(1)
             if not costs.draft_measured:
                 costs.draft_cost = costs.draft_prior
-        self.memory.costs[(self.cost_key, batch_size)] = costs
+        self.memory.costs[(self.costs_name, batch_size)] = costs
         return costs
 
     def calibrate(self, time_verify: Callable[[int], float]) -> None:

@@ -145,7 +145,7 @@ def generate(
             )
     loop = SpeculativeLoop(
         model=model,
-        proposer=build_proposer(spec, model, tokenizer, encoder),
+        proposer=build_proposer(spec, model, tokenizer, encoder, static=static is not None),
         batch=batch,
         sampling=sampling,
         stop_rules=stop_rules,
@@ -252,7 +252,7 @@ def build_handoff(
 
 
 def build_proposer(
-    spec: SpecDecoder, model: PreTrainedModel, tokenizer: Any = None, encoder: Any = None
+    spec: SpecDecoder, model: PreTrainedModel, tokenizer: Any = None, encoder: Any = None, static: bool = False
 ) -> Top1Proposer:
     """The proposer that `spec` describes, checked against the target model.
 
@@ -298,11 +298,13 @@ def build_proposer(
         from hf_specdec.proposers.ngram import NgramProposer
 
         inner = NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max)
-    schedule = _build_schedule(spec, model, inner)
+    schedule = _build_schedule(spec, model, inner, static)
     return Top1Proposer(inner, max_draft_len=spec.max_draft_len, schedule=schedule)
 
 
-def _build_schedule(spec: SpecDecoder, model: PreTrainedModel, inner: Proposer) -> SpeculationSchedule | None:
+def _build_schedule(
+    spec: SpecDecoder, model: PreTrainedModel, inner: Proposer, static: bool = False
+) -> SpeculationSchedule | None:
     schedule = spec.num_speculative_tokens_schedule
     if schedule == "adaptive":
         from hf_specdec.adaptive import AdaptiveSchedule, model_serial
@@ -313,7 +315,12 @@ def _build_schedule(spec: SpecDecoder, model: PreTrainedModel, inner: Proposer) 
         elif spec.method != "ngram":
             key = "mtp" if spec.method == "mtp" else f"exit:{spec.early_exit_layers}"
         return AdaptiveSchedule(
-            spec.num_speculative_tokens, model, key, inner.proposes_cheaply, draft_share=_draft_share(spec, model)
+            spec.num_speculative_tokens,
+            model,
+            key,
+            inner.proposes_cheaply,
+            draft_share=_draft_share(spec, model),
+            static=static,
         )
     if schedule.startswith("heuristic"):
 

@@ -349,3 +349,20 @@ def test_a_draft_models_cost_prior_follows_the_fastest_forward():
     costs.record(3, 64, 0.05, drafts_separately=True)  # a measured drafting step: the measure counts from now on
     schedule.costs(batch_size=1)
     assert costs.draft_measured and costs.draft_cost != pytest.approx(0.001)
+
+
+def test_static_and_dynamic_calls_keep_their_own_step_costs():
+    """A captured static step on a GPU costs a third of an eager one: calls on the two paths, alternating on one
+    target, must not price each other's steps (the static path then never drafted). Acceptance is shared."""
+
+    class Model:
+        pass
+
+    model = Model()
+    dynamic = AdaptiveSchedule(2, model, "draft:0", propose_first=False)
+    dynamic.calibrate(lambda width: 0.03)
+    static = AdaptiveSchedule(2, model, "draft:0", propose_first=False, static=True)
+    static.calibrate(lambda width: 0.01)
+    assert static.costs(1).forward == {1: 0.01, 2: 0.01, 3: 0.01}
+    assert dynamic.costs(1).forward == {1: 0.03, 2: 0.03, 3: 0.03}
+    assert static.stats is dynamic.stats

@@ -154,8 +154,8 @@ def test_draft_cache_catches_up_after_skipped_steps(llama, monkeypatch):
     """The target as its own draft accepts everything only if the draft saw every skipped token in order."""
     import hf_specdec.generation as generation
 
-    def with_skipping_schedule(spec_, model, *args):
-        proposer = build_proposer(spec_, model, *args)
+    def with_skipping_schedule(spec_, model, *args, **kwargs):
+        proposer = build_proposer(spec_, model, *args, **kwargs)
         proposer.schedule = EveryThirdStep(spec_.num_speculative_tokens)
         return proposer
 
