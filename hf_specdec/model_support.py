@@ -6,6 +6,10 @@ whose state is recurrent (RWKV, Mamba, xLSTM, recurrent Gemma, linear attention,
 refused up front. The check reads what transformers itself would build for the model (the cache
 layer types of `DynamicCache(config=...)`), not a list of model names: `SUPPORTED_LAYER_TYPES` is the one
 allow-set to extend when `hf_specdec.cache` learns a new layer kind.
+
+ALiBi models: BLOOM and Falcon with `alibi=True` compute each key's bias from the cumulative sum of the 2-D attention
+mask (`alibi_from_mask`), so a 2-D mask with zeros at the holes gives every key the position plain decoding gives
+it; MPT computes its bias from the cache column index, which holes shift, and is refused (`check_alibi`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,33 @@ SUPPORTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunk
 
 #: The attention implementations that take the explicit 4-D masks with holes this package builds.
 SUPPORTED_ATTENTION = ("sdpa", "eager")
+
+
+#: ALiBi models whose key bias is `slope * (cumsum(mask) - 1)` of the 2-D attention mask (`build_alibi_tensor` in
+#: modeling_bloom / modeling_falcon): exact over the column map with holes. Falcon only with `config.alibi=True`.
+ALIBI_FROM_MASK = frozenset({"bloom", "falcon"})
+
+#: ALiBi models whose key bias comes from the cache column index (`build_mpt_alibi_tensor`): holes would shift it.
+ALIBI_FROM_COLUMNS = frozenset({"mpt"})
+
+
+def alibi_from_mask(model: PreTrainedModel) -> bool:
+    """Whether `model` takes its ALiBi key positions from the 2-D attention mask (then `CacheView` passes one)."""
+    config = model.config.get_text_config(decoder=True)
+    model_type = getattr(config, "model_type", "")
+    return model_type in ALIBI_FROM_MASK and (model_type != "falcon" or bool(getattr(config, "alibi", False)))
+
+
+def check_alibi(model: PreTrainedModel, role: str = "target") -> None:
+    """Refuse, before any model work, an ALiBi model whose bias hf_specdec cannot keep exact over holes."""
+    model_type = getattr(model.config.get_text_config(decoder=True), "model_type", "")
+    if model_type in ALIBI_FROM_COLUMNS:
+        raise NotImplementedError(
+            f"The {role} model {type(model).__name__} ({model_type!r}) computes its ALiBi bias from the cache column "
+            "index, and hf_specdec's ragged cache leaves holes (rejected drafts, left padding) between columns, so the "
+            "bias would differ from plain decoding. ALiBi models that take positions from the 2-D attention mask are "
+            "supported (BLOOM, Falcon with alibi=True): generate without speculation for this model."
+        )
 
 
 def model_layer_types(model: PreTrainedModel) -> list[str]:
@@ -60,7 +91,11 @@ def check_supported_cache(model: PreTrainedModel, role: str = "target", needs_po
             "attention keys and values, which speculative decoding cannot roll back exactly in hf_specdec: "
             "generate without speculation for this model."
         )
-    for needed in ("position_ids", "attention_mask") if needs_positions else ():
+    check_alibi(model, role)
+    needed_inputs = ("position_ids", "attention_mask") if needs_positions else ()
+    if alibi_from_mask(model):  # no position embeddings: the ALiBi positions come from the 2-D mask
+        needed_inputs = ("attention_mask",)
+    for needed in needed_inputs:
         if needed not in parameters:
             raise NotImplementedError(
                 f"The {role} model {name} does not take `{needed}`, which hf_specdec passes explicitly to keep "
