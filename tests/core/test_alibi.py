@@ -1,10 +1,11 @@
-"""ALiBi models: BLOOM and Falcon (`alibi=True`) greedy-identical to plain `generate`; MPT refused up front.
+"""ALiBi models: BLOOM and Falcon (`alibi=True`) greedy-identical to plain `generate`; MPT at batch 1 only.
 
 BLOOM and Falcon build each key's ALiBi bias from `cumsum(attention_mask) - 1` of the 2-D mask, so `CacheView` hands
 them the 2-D mask of its column map (zeros at holes): a row's real columns hold its buffer indices in order, and the
 cumsum gives each key the position plain decoding gives it. Tiny random fp32 models, ragged left-padded prompts, and
 drafts that disagree often (noisy copies: ragged acceptance leaves holes in the middle of rows, long runs compact);
-a sampling-law check on BLOOM; MPT, whose bias comes from cache columns, is refused before any model work.
+a sampling-law check on BLOOM. MPT's bias comes from the cache column index: exact for one unpadded row on the dynamic
+cache (no holes ever), refused before any model work everywhere else.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from transformers import BloomConfig, BloomForCausalLM, FalconConfig, FalconForC
 
 import hf_specdec
 from hf_specdec import cache as cache_module
-from hf_specdec.model_support import alibi_from_mask
+from hf_specdec.model_support import alibi_from_columns, alibi_from_mask
 
 NEW_TOKENS = 48
 #: Draft noise per architecture: acceptance ~15-40% at k = 4, so rows reject often and at different positions.
@@ -87,6 +88,7 @@ def test_alibi_models_take_positions_from_the_mask(alibi_pair) -> None:
     rotary_falcon = make_alibi_model("falcon")
     rotary_falcon.config.alibi = False
     assert not alibi_from_mask(rotary_falcon) and not alibi_from_mask(make_alibi_model("mpt"))
+    assert alibi_from_columns(make_alibi_model("mpt")) and not alibi_from_columns(alibi_pair[1])
 
 
 @pytest.mark.parametrize("batch_size", [1, 3, 8])
@@ -169,32 +171,68 @@ def test_alibi_sampling_follows_the_target_law() -> None:
         assert wrong_p < 1e-6, f"{cache}: cannot tell temperature 1.5 apart (p={wrong_p:.3g})"
 
 
-@pytest.mark.parametrize("role", ["target", "draft"])
-def test_mpt_is_refused_before_any_model_work(role) -> None:
-    """MPT's bias comes from the cache column index, which holes shift: refused with a message naming the model,
-    what is wrong and what is supported, before any forward."""
-    mpt, bloom = make_alibi_model("mpt"), make_alibi_model("bloom")
-    target, draft = (mpt, bloom) if role == "target" else (bloom, mpt)
+@pytest.fixture(scope="module")
+def mpt() -> torch.nn.Module:
+    return make_alibi_model("mpt")
 
-    def no_forward(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+@pytest.mark.parametrize("k", [1, 4])
+def test_mpt_one_unpadded_row_matches_plain(mpt, method, k) -> None:
+    """At batch 1 without padding the cache is laid out as plain decoding's (rollback crops): columns are positions."""
+    spec = spec_decoder(method, make_noisy_copy(mpt, 0.2), k)
+    for seed in range(3):
+        inputs = make_prompts(1, seed=seed)
+        expected = mpt.generate(**inputs, **GREEDY)
+        assert torch.equal(spec_generate(mpt, inputs, spec, **GREEDY), expected)
+        assert spec.last_stats.num_accepted_tokens < spec.last_stats.num_draft_tokens
+
+
+def one_padded_row() -> dict[str, torch.Tensor]:
+    inputs = make_prompts(1, seed=4)
+    return {
+        "input_ids": torch.cat([torch.full((1, 2), PAD_ID), inputs["input_ids"]], 1),
+        "attention_mask": torch.cat([torch.zeros(1, 2, dtype=torch.long), inputs["attention_mask"]], 1),
+    }
+
+
+MPT_REFUSALS = {
+    "batch": (lambda: make_prompts(3), {}, "a batch of 3 rows"),
+    "left-padding": (one_padded_row, {}, "left padding"),
+    "static": (lambda: make_prompts(1), {"cache_implementation": "static"}, 'cache_implementation="static"'),
+}
+
+
+@pytest.mark.parametrize("role", ["target", "draft"])
+@pytest.mark.parametrize("case", list(MPT_REFUSALS))
+def test_mpt_with_holes_is_refused_before_any_model_work(mpt, role, case) -> None:
+    """Where the cache could hold holes, MPT (bias from cache columns) is refused with a message naming the model,
+    what is wrong, the call's value and the fixes, before any forward of either model."""
+    bloom = make_alibi_model("bloom")
+    target, draft = (mpt, bloom) if role == "target" else (bloom, mpt)
+    make_inputs, kwargs, value = MPT_REFUSALS[case]
+
+    def no_forward(*args):  # noqa: ANN002, ANN202
         raise AssertionError("a model ran before the refusal")
 
-    for model in (mpt, bloom):
-        model.register_forward_pre_hook(no_forward)
-    spec = hf_specdec.SpecDecoder(draft_model=draft, num_speculative_tokens=2)
-    with pytest.raises(NotImplementedError) as error:
-        spec_generate(target, make_prompts(2), spec, max_new_tokens=8, do_sample=False)
+    hooks = [model.register_forward_pre_hook(no_forward) for model in (mpt, bloom)]
+    try:
+        spec = hf_specdec.SpecDecoder(draft_model=draft, num_speculative_tokens=2)
+        with pytest.raises(NotImplementedError) as error:
+            spec_generate(target, make_inputs(), spec, max_new_tokens=8, do_sample=False, **kwargs)
+    finally:
+        for hook in hooks:
+            hook.remove()
     message = str(error.value)
-    for part in (f"{role} model MptForCausalLM", "cache column", "holes", "BLOOM, Falcon with alibi=True", "without"):
+    for part in (f"{role} model MptForCausalLM", "cache column", "holes", value, "one unpadded prompt", "BLOOM"):
         assert part in message, message
 
 
-def test_mpt_is_refused_through_install() -> None:
-    """`install()` routes `prompt_lookup_num_tokens=` to hf_specdec, which refuses MPT the same way."""
-    mpt = make_alibi_model("mpt")
+def test_mpt_is_refused_through_install(mpt) -> None:
+    """`install()` routes `prompt_lookup_num_tokens=` to hf_specdec, which refuses a batched MPT call the same way."""
     hf_specdec.install()
     try:
-        with pytest.raises(NotImplementedError, match="MptForCausalLM.*ALiBi"):
+        with pytest.raises(NotImplementedError, match="MptForCausalLM.*ALiBi.*a batch of 2 rows"):
             mpt.generate(**make_prompts(2), max_new_tokens=8, do_sample=False, prompt_lookup_num_tokens=3)
     finally:
         hf_specdec.uninstall()
