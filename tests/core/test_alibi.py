@@ -249,3 +249,26 @@ def test_alibi_through_install(alibi_pair) -> None:
     finally:
         hf_specdec.uninstall()
     assert torch.equal(out, expected)
+
+
+def test_alibi_cache_handed_back_and_continued(alibi_pair) -> None:
+    """The cache hf_specdec hands back equals plain decoding's at every real column (padding columns are never
+    attended), and continuing it for a second turn gives plain's tokens (`hf_specdec.continuation`)."""
+    arch, target, draft = alibi_pair
+    inputs = make_prompts(3, seed=5)
+    kwargs = dict(max_new_tokens=20, do_sample=False, eos_token_id=None, return_dict_in_generate=True)
+    plain = target.generate(**inputs, **kwargs)
+    out = spec_generate(target, inputs, spec_decoder("draft", draft, 4), **kwargs)
+    assert torch.equal(out.sequences, plain.sequences)
+    width = plain.past_key_values.layers[0].keys.shape[2]
+    mask = torch.cat([inputs["attention_mask"], torch.ones(3, 20, dtype=torch.long)], 1)  # [B, P + 20]
+    real = mask[:, :width].bool()  # [B, W]
+    for ours, theirs in zip(out.past_key_values.layers, plain.past_key_values.layers):
+        for a, b in ((ours.keys, theirs.keys), (ours.values, theirs.values)):
+            assert (a - b).abs().amax((1, 3))[real].max() < 1e-4
+    turn = {"input_ids": torch.cat([plain.sequences, torch.full((3, 2), 7)], 1)}
+    turn["attention_mask"] = torch.cat([mask, torch.ones(3, 2, dtype=torch.long)], 1)
+    second = dict(max_new_tokens=16, do_sample=False, eos_token_id=None)
+    expected = target.generate(**turn, past_key_values=plain.past_key_values, **second)
+    spec = spec_decoder("draft", draft, 4)
+    assert torch.equal(spec_generate(target, turn, spec, past_key_values=out.past_key_values, **second), expected)
