@@ -7,6 +7,8 @@ position ids itself, so rows can hold holes anywhere and attention (sliding wind
 still sees exactly the tokens that plain decoding would. Rolling back a rejected draft turns its
 column into a hole; trailing all-hole columns are cropped, and when holes dominate the cache is
 compacted. The cache always covers a prefix of each row: buffer indices [0, cached_lengths[i]).
+ALiBi models that derive key positions from the 2-D mask (BLOOM, Falcon `alibi=True`) get the 2-D mask of the map
+instead: a row's real columns hold its buffer indices in order, so `cumsum(mask) - 1` is each key's plain position.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from hf_specdec.compat import crop_cache
-from hf_specdec.model_support import check_attention_implementation
+from hf_specdec.model_support import alibi_from_mask, check_attention_implementation
 
 #: Compact when holes exceed this share of the cache columns (and the cache is at least this wide).
 COMPACT_HOLE_SHARE = 0.5
@@ -41,6 +43,7 @@ class CacheView:
         self.chunk_size = getattr(config, "attention_chunk_size", None)  # Llama 4's chunked attention layers
         self.mask_dtype = model.dtype
         self.eager = config._attn_implementation == "eager"
+        self.alibi_mask = alibi_from_mask(model)  # a 2-D mask of real columns instead of 4-D masks
 
     @property
     def width(self) -> int:
@@ -103,7 +106,14 @@ class CacheView:
         keys: torch.Tensor,  # [B, W] buffer index held by each cache column, -1 for holes
         own_columns: torch.Tensor | None = None,  # [w] the column each query writes; default: the last w
     ) -> torch.Tensor | dict[str, torch.Tensor]:
-        """Explicit masks [B, 1, w, W]: a query sees the real keys at or before its own index."""
+        """Explicit masks [B, 1, w, W]: a query sees the real keys at or before its own index.
+
+        ALiBi models that build their bias from `cumsum(mask) - 1` get the 2-D mask [B, W] of real columns instead: a
+        row's real columns hold its buffer indices in increasing order (appended in order, compaction is stable), so
+        the cumsum counts exactly the row's earlier tokens (its plain position), and the model's own causal mask over
+        columns sees exactly the real keys at or before each query."""
+        if self.alibi_mask:
+            return (keys >= 0).long()  # [B, W]
         q = queries[:, :, None]  # [B, w, 1]
         k = keys[:, None, :]  # [B, 1, W]
         allowed = (k >= 0) & (k <= q) & (q >= 0)  # [B, w, W]

@@ -26,7 +26,7 @@ from hf_specdec.continuation import CacheHandoff, check_continuation_cache
 from hf_specdec.decoding import SpeculativeLoop, StaticPlan
 from hf_specdec.exact import ExactPath, needs_exact_path
 from hf_specdec.metrics import SpecDecodeStats
-from hf_specdec.model_support import check_supported_cache
+from hf_specdec.model_support import check_alibi_call, check_supported_cache
 from hf_specdec.proposers.base import Proposer
 from hf_specdec.proposers.top1 import Top1Proposer
 from hf_specdec.sampling import random as row_random
@@ -92,6 +92,7 @@ def generate(
     _check_call(model, input_ids, generation_config, model_kwargs)
     if spec.draft_model is not None:
         check_supported_cache(spec.draft_model, role="draft", needs_positions=not model.config.is_encoder_decoder)
+    _check_alibi_columns(model, spec, input_ids, generation_config, model_kwargs)
     check_speculation_type(getattr(generation_config, "speculation_type", None))
     streamer = spec_streamer if spec_streamer is not None else spec.streamer
     tokenizer = spec_tokenizer if spec_tokenizer is not None else spec.tokenizer
@@ -387,6 +388,18 @@ def _check_spec_decoder(spec_decoder: Any) -> SpecDecoder:
             "hf_specdec.SpecDecoder(draft_model=...) or hf_specdec.SpecDecoder(method='ngram')."
         )
     return spec_decoder
+
+
+def _check_alibi_columns(
+    model: PreTrainedModel, spec: SpecDecoder, input_ids: torch.Tensor, config: GenerationConfig, model_kwargs: dict
+) -> None:
+    """MPT-style ALiBi (bias from cache columns) is exact only for one unpadded row on the dynamic cache."""
+    mask = None if model.config.is_encoder_decoder else model_kwargs.get("attention_mask")  # [B, P] decoder mask
+    padded = mask is not None and not bool(mask.all())
+    static = config.cache_implementation == "static"
+    for role, checked in (("target", model), ("draft", spec.draft_model)):
+        if checked is not None:
+            check_alibi_call(checked, role, input_ids.shape[0], padded, static)
 
 
 def _check_call(

@@ -6,6 +6,12 @@ whose state is recurrent (RWKV, Mamba, xLSTM, recurrent Gemma, linear attention,
 refused up front. The check reads what transformers itself would build for the model (the cache
 layer types of `DynamicCache(config=...)`), not a list of model names: `SUPPORTED_LAYER_TYPES` is the one
 allow-set to extend when `hf_specdec.cache` learns a new layer kind.
+
+ALiBi models: BLOOM and Falcon with `alibi=True` compute each key's bias from the cumulative sum of the 2-D attention
+mask (`alibi_from_mask`), so a 2-D mask with zeros at the holes gives every key the position plain decoding gives
+it; MPT computes its bias from the cache column index, which equals the key's position only where the cache has no
+holes (one row without left padding on the dynamic cache, where rollback only crops): other calls are refused
+(`check_alibi_call`).
 """
 
 from __future__ import annotations
@@ -19,6 +25,50 @@ SUPPORTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunk
 
 #: The attention implementations that take the explicit 4-D masks with holes this package builds.
 SUPPORTED_ATTENTION = ("sdpa", "eager")
+
+
+#: ALiBi models whose key bias is `slope * (cumsum(mask) - 1)` of the 2-D attention mask (`build_alibi_tensor` in
+#: modeling_bloom / modeling_falcon): exact over the column map with holes. Falcon only with `config.alibi=True`.
+ALIBI_FROM_MASK = frozenset({"bloom", "falcon"})
+
+#: ALiBi models whose key bias comes from the cache column index (`build_mpt_alibi_tensor`): holes would shift it.
+ALIBI_FROM_COLUMNS = frozenset({"mpt"})
+
+
+def _model_type(model: PreTrainedModel) -> str:
+    return getattr(model.config.get_text_config(decoder=True), "model_type", "")
+
+
+def alibi_from_mask(model: PreTrainedModel) -> bool:
+    """Whether `model` takes its ALiBi key positions from the 2-D attention mask (then `CacheView` passes one)."""
+    model_type = _model_type(model)
+    config = model.config.get_text_config(decoder=True)
+    return model_type in ALIBI_FROM_MASK and (model_type != "falcon" or bool(getattr(config, "alibi", False)))
+
+
+def alibi_from_columns(model: PreTrainedModel) -> bool:
+    """Whether `model`'s ALiBi bias follows the cache column index (MPT): exact only without holes."""
+    return _model_type(model) in ALIBI_FROM_COLUMNS
+
+
+def check_alibi_call(model: PreTrainedModel, role: str, batch_size: int, padded: bool, static: bool) -> None:
+    """Refuse, before any model work, a call in which `model`'s ALiBi bias (from cache columns) would leave plain
+    decoding's: a column is the key's position only for one row without left padding on the dynamic cache (its
+    `CacheView` is aligned: rollback crops, no hole is ever made)."""
+    if not alibi_from_columns(model):
+        return
+    problems = [f"a batch of {batch_size} rows"] if batch_size > 1 else []
+    problems += ["left padding"] if padded else []
+    problems += ['cache_implementation="static"'] if static else []
+    if problems:
+        raise NotImplementedError(
+            f"The {role} model {type(model).__name__} ({_model_type(model)!r}) computes its ALiBi bias from the cache "
+            "column index, which is each token's position only for a single row without padding on the dynamic cache "
+            "(hf_specdec's ragged cache otherwise leaves holes between columns, and the bias would differ from plain "
+            f"decoding), but this call has {' and '.join(problems)}: speculate on one unpadded prompt per call with "
+            "the dynamic cache, use an ALiBi model that takes its positions from the attention mask (BLOOM, Falcon "
+            "with alibi=True), or generate without speculation."
+        )
 
 
 def model_layer_types(model: PreTrainedModel) -> list[str]:
@@ -60,7 +110,10 @@ def check_supported_cache(model: PreTrainedModel, role: str = "target", needs_po
             "attention keys and values, which speculative decoding cannot roll back exactly in hf_specdec: "
             "generate without speculation for this model."
         )
-    for needed in ("position_ids", "attention_mask") if needs_positions else ():
+    needed_inputs = ("position_ids", "attention_mask") if needs_positions else ()
+    if alibi_from_mask(model) or alibi_from_columns(model):  # no position embeddings: ALiBi from mask or columns
+        needed_inputs = ("attention_mask",)
+    for needed in needed_inputs:
         if needed not in parameters:
             raise NotImplementedError(
                 f"The {role} model {name} does not take `{needed}`, which hf_specdec passes explicitly to keep "
