@@ -29,7 +29,7 @@ import itertools
 import math
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -166,7 +166,7 @@ class StepCosts:
     min_samples: int = 2
     idle_decay: float = 0.99  # per plain step: a drafting cost not re-measured fades (speculation is re-tried)
 
-    def calibrate(self, time_verify: Callable[[int], float], widths: range) -> None:
+    def calibrate(self, time_verify: Callable[[int], float], widths: Sequence[int]) -> None:
         """Time a forward of `per_call` widths (the fastest of all timings of a width is kept): those timed least,
         1, 2 and the widest first, so that a first call pays three forwards and interpolation covers the rest."""
         ends = {widths[0], widths[0] + 1, widths[-1]}
@@ -177,11 +177,11 @@ class StepCosts:
             self.timed[w] = self.timed.get(w, 0) + 1
         self.calibrated = True
 
-    def complete(self, widths: range) -> bool:
+    def complete(self, widths: Sequence[int]) -> bool:
         """Every width timed `max_passes` times: no more timing."""
         return all(self.timed.get(w, 0) >= self.max_passes for w in widths)
 
-    def covers(self, widths: range) -> bool:
+    def covers(self, widths: Sequence[int]) -> bool:
         """Every width is timed or lies between two timed widths."""
         return bool(self.forward) and min(self.forward) <= widths[0] and max(self.forward) >= widths[-1]
 
@@ -304,6 +304,10 @@ class AdaptiveSchedule(SpeculationSchedule):
         self.stats = self.memory.stats.setdefault((cost_key, max_k), AcceptanceStats(max_k))
         self.cost_key = cost_key
         self.costs_name = f"{cost_key}@static" if static else cost_key  # step costs are kept per path
+        self.static = static
+        #: the verify widths a step can have: on static caches 1 (no drafts) or 1 + k (rows with fewer drafts
+        #: carry masked slots), so only those two are timed and every drafting step costs the full width
+        self.widths: Sequence[int] = (1, max_k + 1) if static else range(1, max_k + 2)
         self.propose_first = propose_first
         self.margin = margin
         self.time_verify: Callable[[int], float] | None = None
@@ -321,7 +325,7 @@ class AdaptiveSchedule(SpeculationSchedule):
         """This batch size's costs: a few widths timed at each call's first step until all are timed (`calibrate`),
         else borrowed from the nearest batch size."""
         costs = self.memory.costs.get((self.costs_name, batch_size))
-        widths = range(1, self.max_k + 2)
+        widths = self.widths
         known = costs is not None and costs.calibrated and costs.covers(widths)
         if self.time_verify is not None and not (known and costs.complete(widths)):
             costs = costs if costs is not None and costs.calibrated else StepCosts()
@@ -406,7 +410,9 @@ class AdaptiveSchedule(SpeculationSchedule):
         if not bool((num_drafts > 0).any()):
             return torch.zeros_like(num_drafts)
         assert self.pending is not None, "budgets() runs before each step's choice"
-        table = self.pending.costs.table(self.max_k + 1, self.pending.bucket)
+        table = self.pending.costs.table(self.max_k + 1, self.pending.bucket)  # [K + 1]
+        if self.static:
+            table[1:] = table[-1]
         survival = self.stats.survival(keys)  # [B, K]
         self.expected = torch.cat([torch.zeros(len(keys), 1), survival.cumsum(1)], dim=1)  # [B, K + 1]
         survival = (survival * self.row_factors()[:, None]).clamp(max=1.0)
@@ -423,3 +429,5 @@ class AdaptiveSchedule(SpeculationSchedule):
             self.expected = None
         if self.pending is not None:
             self.pending.width = 1 + int(drafted.max()) if drafted.numel() else 1
+            if self.static and self.pending.width > 1:
+                self.pending.width = self.max_k + 1

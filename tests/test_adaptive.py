@@ -363,6 +363,16 @@ def test_static_and_dynamic_calls_keep_their_own_step_costs():
     dynamic.calibrate(lambda width: 0.03)
     static = AdaptiveSchedule(2, model, "draft:0", propose_first=False, static=True)
     static.calibrate(lambda width: 0.01)
-    assert static.costs(1).forward == {1: 0.01, 2: 0.01, 3: 0.01}
+    assert static.costs(1).forward == {1: 0.01, 3: 0.01}  # a static verify has width 1 or 1 + k: only those
     assert dynamic.costs(1).forward == {1: 0.03, 2: 0.03, 3: 0.03}
     assert static.stats is dynamic.stats
+
+
+def test_on_static_caches_every_drafting_step_costs_the_full_verify(monkeypatch):
+    """A static verify has width 1 + k whatever the drafts: the schedule prices every drafting width as that, so
+    when drafting pays it drafts k (never fewer drafts for the same cost)."""
+    schedule = AdaptiveSchedule(K, model=None, cost_key="sim", propose_first=False, static=True)
+    forward = [1.0] + [1.0 + 0.02 * w for w in range(1, K + 1)]  # what the static path would time: 1 and K + 1
+    verified = _drive(monkeypatch, forward, {0: 0.6}, keys=[0], propose_first=False, schedule=schedule)
+    assert all(row[0] in (0, K) for row in verified), verified[:20]
+    assert sum(row[0] == K for row in verified[50:]) >= 0.9 * 250
