@@ -27,6 +27,10 @@ from hf_specdec.model_support import model_layer_types
 #: The cache layer type of recurrent layers (transformers' `LinearAttentionLayer`).
 RECURRENT_LAYER_TYPE = "linear_attention"
 
+#: Kept runs up to this long re-run one token at a time (the mixers' single-step kernels, as plain decoding runs
+#: them); longer ones (a prefill) in one chunked call. Measured in benchmarks/bench_recurrent_cpu.py.
+STEPWISE_MAX_TOKENS = 8
+
 #: Names under which a recurrent mixer's forward takes the cache (transformers renames `cache_params` to `cache`).
 _CACHE_ARGUMENTS = ("cache_params", "cache")
 
@@ -140,6 +144,7 @@ class RecurrentRollback:
         self.fed: list[_Fed] = []
         self._recording: _Fed | None = None
         self._hooks: list[Any] = []
+        self.stepwise_max_tokens = STEPWISE_MAX_TOKENS
         self.replayed_rows = 0  # rows re-run (statistics for the benchmark)
 
     def _make_hook(self, index: int):  # noqa: ANN202
@@ -237,10 +242,16 @@ class RecurrentRollback:
         count = slots.shape[1]
         if count:
             kept_mask = mask[rows[:, None], slots]  # [b, c]
+            kept = hidden[rows[:, None], slots]  # [b, c, H]
             call = dict(kwargs)
             call["attention_mask"] = None if bool(kept_mask.all()) else kept_mask
-            with torch.no_grad():
-                mixer(hidden[rows[:, None], slots], **call)  # [b, c, H]: updates the b-row states in place
+            stepwise = call["attention_mask"] is None and all(h for _, _, h in snapshot)
+            with torch.no_grad():  # the mixer updates the b-row states in place
+                if stepwise and count <= self.stepwise_max_tokens:
+                    for j in range(count):
+                        mixer(kept[:, j : j + 1], **call)
+                else:
+                    mixer(kept, **call)
         for s, (full_conv, full_recurrent, _) in enumerate(current):
             if full_conv is not None:
                 full_conv[rows] = layer.conv_states[s].to(full_conv.dtype)

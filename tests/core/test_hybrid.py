@@ -125,6 +125,30 @@ def test_a_smaller_hybrid_draft_and_a_hybrid_draft_for_an_attention_target():
         assert torch.equal(spec_generate(target, inputs, spec, **greedy()), target.generate(**inputs, **greedy()))
 
 
+def test_rows_leaving_the_batch_keep_the_others_states():
+    """An EOS that rows reach at different steps: finished rows leave the batch (recurrent states select rows)."""
+    target = make_hybrid("granitemoehybrid")
+    inputs = make_prompts(8, seed=6)
+    plain = target.generate(**inputs, **greedy())
+    width = inputs["input_ids"].shape[1]
+    eos = int(torch.mode(plain[:, width + 5 :].flatten()).values)  # a frequent token: rows stop at different steps
+    kwargs = dict(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=eos, pad_token_id=PAD_ID)
+    expected = target.generate(**inputs, **kwargs)
+    stops = {int((row == eos).nonzero()[0]) if bool((row == eos).any()) else -1 for row in expected[:, width:]}
+    assert len(stops) > 2, expected  # rows finish at different steps
+    spec = hf_specdec.SpecDecoder(draft_model=make_noisy_copy(target, 0.02), num_speculative_tokens=4)
+    assert torch.equal(spec_generate(target, inputs, spec, **kwargs), expected)
+
+
+@pytest.mark.library_default
+def test_the_default_adaptive_schedule_on_a_hybrid():
+    """The default schedule times a verify and rolls it back (every row keeps nothing: the snapshot comes back)."""
+    target = make_hybrid("qwen3_5_text")
+    inputs = make_prompts(3, seed=8)
+    spec = hf_specdec.SpecDecoder(draft_model=make_noisy_copy(target, 0.02))
+    assert torch.equal(spec_generate(target, inputs, spec, **greedy()), target.generate(**inputs, **greedy()))
+
+
 def test_without_the_rollback_the_output_differs(monkeypatch):
     """The control: skipping the recurrent rollback changes the tokens (the tests above exercise it)."""
     target = make_hybrid("qwen3_5_text")
@@ -290,3 +314,18 @@ def test_a_transformers_without_the_recurrent_cache_api_is_refused(monkeypatch, 
         pytest.raises(NotImplementedError, match=r"lacks \['Cache.get_conv_state'\]: upgrade transformers"),
     ):
         spec_generate(qwen35, make_prompts(1), hf_specdec.SpecDecoder(method="ngram"), max_new_tokens=5)
+
+
+def test_install_routes_assistant_model_on_a_hybrid(qwen35):
+    """transformers' own assisted decoding raises on hybrids ("stateful models"); install() routes it here."""
+    inputs = make_prompts(3, seed=2)
+    expected = qwen35.generate(**inputs, **greedy())
+    with pytest.raises(ValueError, match="stateful"):  # stock transformers, without hf_specdec
+        qwen35.generate(**inputs, prompt_lookup_num_tokens=4, **greedy())
+    hf_specdec.install()
+    try:
+        draft = make_noisy_copy(qwen35, 0.02)
+        assert torch.equal(qwen35.generate(**inputs, assistant_model=draft, **greedy()), expected)
+        assert torch.equal(qwen35.generate(**inputs, prompt_lookup_num_tokens=4, **greedy()), expected)
+    finally:
+        hf_specdec.uninstall()
