@@ -63,6 +63,15 @@ CONFIGS = {
 }
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """Tiny models are overhead-bound: one thread is as fast, and does not stall in spin-waits on shared cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def make_hybrid(model_type: str, seed: int = 0, vocab: int = 96, **overrides) -> torch.nn.Module:
     config = AutoConfig.for_model(model_type, **{**_COMMON, "vocab_size": vocab, **CONFIGS[model_type], **overrides})
     torch.manual_seed(seed)
