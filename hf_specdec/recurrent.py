@@ -209,6 +209,8 @@ class RecurrentRollback:
         masks = [f.mask if f.mask is not None else f.valid.new_ones(f.valid.shape) for f in fed]
         mask = torch.cat(masks, dim=1).long()  # [B, W]
         rank = valid.long().cumsum(1) - 1  # [B, W] the fed token each slot holds
+        if self._replay_stepwise(fed, snapshot, counts, valid, mask, max(groups)):
+            return
         for count in groups:
             rows = (counts == count).nonzero().squeeze(1)  # [b]
             self.replayed_rows += int(rows.numel())
@@ -242,16 +244,10 @@ class RecurrentRollback:
         count = slots.shape[1]
         if count:
             kept_mask = mask[rows[:, None], slots]  # [b, c]
-            kept = hidden[rows[:, None], slots]  # [b, c, H]
             call = dict(kwargs)
             call["attention_mask"] = None if bool(kept_mask.all()) else kept_mask
-            stepwise = call["attention_mask"] is None and all(h for _, _, h in snapshot)
             with torch.no_grad():  # the mixer updates the b-row states in place
-                if stepwise and count <= self.stepwise_max_tokens:
-                    for j in range(count):
-                        mixer(kept[:, j : j + 1], **call)
-                else:
-                    mixer(kept, **call)
+                mixer(hidden[rows[:, None], slots], **call)  # [b, c, H]
         for s, (full_conv, full_recurrent, _) in enumerate(current):
             if full_conv is not None:
                 full_conv[rows] = layer.conv_states[s].to(full_conv.dtype)
@@ -260,6 +256,63 @@ class RecurrentRollback:
                 full_recurrent[rows] = layer.recurrent_states[s].to(full_recurrent.dtype)
                 layer.recurrent_states[s] = full_recurrent
             layer.has_previous_state[s] = True
+
+    def _replay_stepwise(
+        self,
+        fed: list[_Fed],
+        snapshot: dict[int, list[tuple[torch.Tensor | None, torch.Tensor | None, bool]]],
+        counts: torch.Tensor,  # [B] tokens to keep per row, -1 for rows whose state is already right
+        valid: torch.Tensor,  # [B, W] slots fed since the snapshot
+        mask: torch.Tensor,  # [B, W] their padding mask
+        most: int,  # the largest count
+    ) -> bool:
+        """Short kept runs (decoding steps): every row to re-run starts from the snapshot and its mixers step one
+        kept token at a time, step j over the rows that keep more than j tokens (the single-step kernels plain
+        decoding runs, one batch per step for all kept counts). False, having done nothing, for long runs (a
+        prefill), padding among the kept tokens, or a snapshot taken before the first forward."""
+        if most > self.stepwise_max_tokens or not all(h for states in snapshot.values() for _, _, h in states):
+            return False
+        rows = (counts >= 0).nonzero().squeeze(1)  # [R]
+        kept_counts = counts[rows]  # [R]
+        width = valid.shape[1]
+        positions = torch.arange(width, device=valid.device)  # [W]
+        slots = torch.where(valid[rows], positions, width + positions).argsort(1)[:, :most]  # [R, most] in order
+        in_run = positions[:most][None, :] < kept_counts[:, None]  # [R, most]
+        if not bool((mask[rows].gather(1, slots).bool() | ~in_run).all()):
+            return False  # a kept slot is padding: the chunked re-run applies the mask
+        self.replayed_rows += int(rows.numel())
+        steps = [(counts[rows] > j).nonzero().squeeze(1) for j in range(most)]  # [a_j] rows that take step j
+        for index, mixer in self.mixers.items():
+            layer = self.cache.layers[index]
+            hidden = torch.cat([f.inputs[index] for f in fed], dim=1)  # [B, W, H]
+            current = self._layer_states(index, clone=False)  # the full [B, ...] tensors the forward left
+            work = [
+                (c[rows] if c is not None else None, r[rows] if r is not None else None) for c, r, _ in snapshot[index]
+            ]
+            call = {**fed[-1].kwargs[index], "attention_mask": None}
+            for j, active in enumerate(steps):
+                for s, (conv, recurrent) in enumerate(work):
+                    if conv is not None:
+                        layer.conv_states[s] = conv[active]
+                    if recurrent is not None:
+                        layer.recurrent_states[s] = recurrent[active]
+                    layer.has_previous_state[s] = True
+                with torch.no_grad():
+                    mixer(hidden[rows[active], slots[active, j]][:, None], **call)  # [a, 1, H]
+                for s, (conv, recurrent) in enumerate(work):
+                    if conv is not None:
+                        conv[active] = layer.conv_states[s].to(conv.dtype)
+                    if recurrent is not None:
+                        recurrent[active] = layer.recurrent_states[s].to(recurrent.dtype)
+            for s, ((conv, recurrent), (full_conv, full_recurrent, _)) in enumerate(zip(work, current)):
+                if full_conv is not None:
+                    full_conv[rows] = conv.to(full_conv.dtype)
+                    layer.conv_states[s] = full_conv
+                if full_recurrent is not None:
+                    full_recurrent[rows] = recurrent.to(full_recurrent.dtype)
+                    layer.recurrent_states[s] = full_recurrent
+                layer.has_previous_state[s] = True
+        return True
 
     def select_rows(self, keep: torch.Tensor) -> None:  # [B'] indices
         """Keep only rows `keep` of every recurrent layer's states (and of a pending snapshot)."""
