@@ -92,10 +92,14 @@ def missing_recurrent_cache_api() -> list[str]:
     }
     missing = [name for name, found in needed.items() if found is None]
     layer = needed["cache_utils.LinearAttentionLayer"]
-    if layer is not None and not {"conv_states", "recurrent_states", "has_previous_state"} <= set(
-        vars(layer(number_of_states=1))
-    ):
-        missing.append("LinearAttentionLayer.conv_states/recurrent_states/has_previous_state")
+    if layer is not None:
+        try:
+            fields = vars(layer(number_of_states=1))
+        except TypeError:  # an older constructor
+            fields = {}
+        per_state = ("conv_states", "recurrent_states", "has_previous_state", "is_conv_states_initialized")
+        if not all(isinstance(fields.get(name), dict) for name in per_state):
+            missing.append("LinearAttentionLayer's per-state dicts " + "/".join(per_state))
     return missing
 
 
