@@ -14,15 +14,21 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+import transformers
 from conftest import EOS_ID, PAD_ID, make_model, make_noisy_copy, make_prompts, spec_generate
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
 import hf_specdec
 from hf_specdec import cache as cache_module
+from hf_specdec import compat
 from hf_specdec.decoding import SpeculativeLoop
 from hf_specdec.recurrent import recurrent_layer_indices
 
 NEW_TOKENS = 40
+#: What this transformers lacks of the recurrent cache API (5.17 has no `Cache.get_conv_state`): hybrids are then
+#: refused, which is all this module tests there.
+MISSING_API = compat.missing_recurrent_cache_api()
 _COMMON = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
     max_position_embeddings=512, pad_token_id=PAD_ID, bos_token_id=1, eos_token_id=EOS_ID, initializer_range=0.4,
@@ -63,6 +69,12 @@ CONFIGS = {
 }
 
 
+@pytest.fixture(autouse=True)
+def needs_recurrent_api(request: pytest.FixtureRequest) -> None:
+    if MISSING_API and request.node.originalname != "test_a_transformers_without_the_recurrent_cache_api_is_refused":
+        pytest.skip(f"transformers {transformers.__version__} lacks {MISSING_API}: hybrids are refused")
+
+
 @pytest.fixture(scope="module", autouse=True)
 def one_thread() -> Iterator[None]:
     """Tiny models are overhead-bound: one thread is as fast, and does not stall in spin-waits on shared cores."""
@@ -73,6 +85,8 @@ def one_thread() -> Iterator[None]:
 
 
 def make_hybrid(model_type: str, seed: int = 0, vocab: int = 96, **overrides) -> torch.nn.Module:
+    if model_type not in CONFIG_MAPPING_NAMES:
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
     config = AutoConfig.for_model(model_type, **{**_COMMON, "vocab_size": vocab, **CONFIGS[model_type], **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
@@ -316,12 +330,10 @@ def test_bailing_hybrid_mtp_is_refused(monkeypatch):
 
 
 def test_a_transformers_without_the_recurrent_cache_api_is_refused(monkeypatch, qwen35):
-    """transformers releases whose cache has no conv/recurrent state API (the GPU image's 5.17 may lack parts)."""
-    monkeypatch.setattr("hf_specdec.compat.missing_recurrent_cache_api", lambda: ["Cache.get_conv_state"])
-    with (
-        no_model_work(qwen35),
-        pytest.raises(NotImplementedError, match=r"lacks \['Cache.get_conv_state'\]: upgrade transformers"),
-    ):
+    """transformers releases whose cache lacks the conv/recurrent state API (5.17: `Cache.get_conv_state`)."""
+    if not MISSING_API:  # this transformers has it: pretend it does not
+        monkeypatch.setattr("hf_specdec.compat.missing_recurrent_cache_api", lambda: ["Cache.get_conv_state"])
+    with no_model_work(qwen35), pytest.raises(NotImplementedError, match=r"lacks \[.*\]: upgrade transformers"):
         spec_generate(qwen35, make_prompts(1), hf_specdec.SpecDecoder(method="ngram"), max_new_tokens=5)
 
 
