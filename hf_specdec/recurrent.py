@@ -5,10 +5,11 @@ A hybrid's cache mixes attention layers (columns, rolled back through `CacheView
 A verify moves those states past drafts that may be rejected, by a different number per row. `RecurrentRollback`
 snapshots every recurrent layer's states before the first forward after a rollback and records the input each
 recurrent mixer received (a forward pre-hook); on rollback, rows that keep fewer tokens than they were fed get
-the snapshot back and only the recurrent mixers re-run over the kept tokens' recorded inputs, one batch per kept
-count (the inputs of a causal model's kept tokens do not depend on the rejected ones). Rows that kept everything
-they were fed keep the state the forward left. `check_recurrent_call` refuses, before any model work, what this
-rollback does not cover.
+the snapshot back and only the recurrent mixers re-run over the kept tokens' recorded inputs (the inputs of a
+causal model's kept tokens do not depend on the rejected ones): short runs one token at a time in one pass for
+every kept count, long ones (a prefill) in one chunked call per kept count. Rows that kept everything they were
+fed keep the state the forward left. `check_recurrent_call` refuses, before any model work, what this rollback
+does not cover.
 """
 
 from __future__ import annotations
