@@ -1,10 +1,11 @@
 """Hybrid models whose layers include recurrent state (gated delta-net, Mamba2, Kimi delta attention).
 
-Tiny random fp32 targets of four families (Qwen3.5 text, Qwen3-Next, Granite-MoE-hybrid's Mamba2, Bailing-hybrid's
-KDA) decode greedy-identical to plain `generate` over ragged left-padded batches, with a noisy-copy draft (rejects
-about half its drafts: recurrent states roll back nearly every step) and with prompt lookup; the recurrent and
-conv states after rejections equal plain decoding's of the same kept tokens, for every recurrent layer of the target
-and of a hybrid draft; sampling follows the target's law; and what is not supported is refused before any model work.
+Tiny random fp32 targets of five families (Qwen3.5 text, Qwen3-Next, Granite-MoE-hybrid's and Bamba's Mamba2,
+Bailing-hybrid's KDA) decode greedy-identical to plain `generate` over ragged left-padded batches, with a
+noisy-copy draft (accepting 20-70%: recurrent states roll back nearly every step) and with prompt lookup; the
+recurrent and conv states after rejections equal plain decoding's of the same kept tokens, for every recurrent
+layer of the target and of a hybrid draft; sampling follows the target's law; and what is not supported is
+refused before any model work. About 40 s on 2 shared cores (one torch thread).
 """
 
 from __future__ import annotations
@@ -50,6 +51,14 @@ CONFIGS = {
         num_local_experts=2,
         num_experts_per_tok=1,
         shared_intermediate_size=64,
+    ),  # fmt: skip
+    "bamba": dict(
+        attn_layer_indices=[1, 3],
+        mamba_n_heads=8,
+        mamba_d_head=16,
+        mamba_d_state=16,
+        mamba_chunk_size=16,
+        mamba_expand=2,
     ),  # fmt: skip
     "bailing_hybrid": dict(
         moe_intermediate_size=32,
