@@ -9,15 +9,18 @@ column into a hole; trailing all-hole columns are cropped, and when holes domina
 compacted. The cache always covers a prefix of each row: buffer indices [0, cached_lengths[i]).
 ALiBi models that derive key positions from the 2-D mask (BLOOM, Falcon `alibi=True`) get the 2-D mask of the map
 instead: a row's real columns hold its buffer indices in order, so `cumsum(mask) - 1` is each key's plain position.
+A hybrid model's recurrent layers have no columns: `hf_specdec.recurrent` rolls their states back.
 """
 
 from __future__ import annotations
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
 
-from hf_specdec.compat import crop_cache
+from hf_specdec.compat import crop_cache, is_recurrent_layer
 from hf_specdec.model_support import alibi_from_mask, check_attention_implementation
+from hf_specdec.recurrent import RecurrentRollback, is_hybrid
 
 #: Compact when holes exceed this share of the cache columns (and the cache is at least this wide).
 COMPACT_HOLE_SHARE = 0.5
@@ -31,6 +34,11 @@ class CacheView:
         check_attention_implementation(model)
         self.model = model
         self.cache = DynamicCache()
+        self.recurrent: RecurrentRollback | None = None
+        if is_hybrid(model):  # recurrent layers need transformers' own layer classes; attention layers stay plain
+            self.cache = DynamicCache(config=model.config.get_text_config(decoder=True))
+            self.cache.layers = [x if is_recurrent_layer(x) else DynamicLayer() for x in self.cache.layers]
+            self.recurrent = RecurrentRollback(model, self.cache)
         device = pad_lengths.device
         self.pad_lengths = pad_lengths.clone()  # [B]
         self.column_index = torch.empty(batch_size, 0, dtype=torch.long, device=device)  # [B, W], -1 = hole
@@ -73,7 +81,16 @@ class CacheView:
         # A single row without holes is laid out exactly like plain decoding's cache: let the model build its own
         # causal mask (no explicit mask keeps sdpa on its GQA-native, flash-capable path).
         mask = None if self.aligned and width > 0 else self._attention_mask(queries, keys)
-        logits = self.run_model(input_ids, mask, position_ids, logits_to_keep if logits_to_keep is not None else 0)
+        if self.recurrent is not None:  # recurrent layers take a 2-D padding mask: left padding stays out of the state
+            padding = None if self.aligned or bool(real.all()) else real.long()  # [B, w]
+            if isinstance(mask, dict):
+                mask["linear_attention"] = padding
+            self.recurrent.start_forward(self.cached_lengths, valid, padding)
+        try:
+            logits = self.run_model(input_ids, mask, position_ids, logits_to_keep if logits_to_keep is not None else 0)
+        finally:
+            if self.recurrent is not None:
+                self.recurrent.end_forward()
         self.column_index = keys
         self.cached_lengths = self.cached_lengths + num_new
         return logits.float()
@@ -132,7 +149,7 @@ class CacheView:
             ) | own
         masks = {name: self._to_model_format(m[:, None]) for name, m in masks.items()}
         if self.layer_types is not None:
-            return {name: masks[name] for name in set(self.layer_types)}
+            return {name: masks.get(name) for name in set(self.layer_types)}  # linear_attention: set by forward
         return masks["sliding_attention" if self.sliding_window is not None else "full_attention"]
 
     def _to_model_format(self, allowed: torch.Tensor) -> torch.Tensor:
@@ -144,6 +161,8 @@ class CacheView:
     def rollback(self, cached_lengths: torch.Tensor) -> None:
         """Keep only buffer indices < cached_lengths[i] ([B]) of each row; crop or compact the holes."""
         self.cached_lengths = torch.minimum(self.cached_lengths, cached_lengths)
+        if self.recurrent is not None:
+            self.recurrent.rollback(self.cached_lengths)
         keep = (self.column_index >= 0) & (self.column_index < self.cached_lengths[:, None])  # [B, W]
         self.column_index = torch.where(keep, self.column_index, -1)
         used = keep.any(0).nonzero()
@@ -169,7 +188,13 @@ class CacheView:
 
     def select_rows(self, keep: torch.Tensor) -> None:
         """Keep only rows `keep` ([B'] indices) in the cache and the maps."""
-        self.cache.batch_select_indices(keep)
+        if self.recurrent is None:
+            self.cache.batch_select_indices(keep)
+        else:  # transformers' recurrent layers cannot select rows: `hf_specdec.recurrent` does
+            for layer in self.cache.layers:
+                if not is_recurrent_layer(layer):
+                    layer.batch_select_indices(keep)
+            self.recurrent.select_rows(keep)
         self.column_index = self.column_index[keep]
         self.cached_lengths = self.cached_lengths[keep]
         self.pad_lengths = self.pad_lengths[keep]

@@ -66,4 +66,46 @@ def crop_cache(cache: DynamicCache, tokens_to_remove: int) -> None:
     for layer in cache.layers:
         if hasattr(layer, "keys") and (layer.keys is None or not getattr(layer, "is_initialized", True)):
             continue  # an attention layer never written: nothing to crop
+        if is_recurrent_layer(layer):
+            continue  # recurrent states have no columns: `hf_specdec.recurrent` rolls them back
         layer.crop(tokens_to_remove)
+
+
+def transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def missing_recurrent_cache_api() -> list[str]:
+    """What of transformers' recurrent cache API (`cache_utils.LinearAttentionLayer` with per-state
+    `conv_states`/`recurrent_states`/`has_previous_state`, `Cache.get_conv_state`/`update_conv_state`) this
+    transformers lacks; empty when `hf_specdec.recurrent` can roll hybrid models back."""
+    from transformers import cache_utils
+
+    needed = {
+        "cache_utils.LinearAttentionLayer": getattr(cache_utils, "LinearAttentionLayer", None),
+        "cache_utils.LinearAttentionCacheLayerMixin": getattr(cache_utils, "LinearAttentionCacheLayerMixin", None),
+        "Cache.get_conv_state": getattr(cache_utils.Cache, "get_conv_state", None),
+        "Cache.update_conv_state": getattr(cache_utils.Cache, "update_conv_state", None),
+        "Cache.update_recurrent_state": getattr(cache_utils.Cache, "update_recurrent_state", None),
+    }
+    missing = [name for name, found in needed.items() if found is None]
+    layer = needed["cache_utils.LinearAttentionLayer"]
+    if layer is not None:
+        try:
+            fields = vars(layer(number_of_states=1))
+        except TypeError:  # an older constructor
+            fields = {}
+        per_state = ("conv_states", "recurrent_states", "has_previous_state", "is_conv_states_initialized")
+        if not all(isinstance(fields.get(name), dict) for name in per_state):
+            missing.append("LinearAttentionLayer's per-state dicts " + "/".join(per_state))
+    return missing
+
+
+def is_recurrent_layer(layer: object) -> bool:
+    """Whether a cache layer holds recurrent (conv/SSM) states: `cache_utils.LinearAttentionCacheLayerMixin`."""
+    from transformers import cache_utils
+
+    mixin = getattr(cache_utils, "LinearAttentionCacheLayerMixin", None)
+    return mixin is not None and isinstance(layer, mixin)

@@ -29,6 +29,7 @@ from hf_specdec.metrics import SpecDecodeStats
 from hf_specdec.model_support import check_alibi_call, check_supported_cache
 from hf_specdec.proposers.base import Proposer
 from hf_specdec.proposers.top1 import Top1Proposer
+from hf_specdec.recurrent import check_recurrent_call, is_hybrid
 from hf_specdec.sampling import random as row_random
 from hf_specdec.sampling.processors import StepSampling
 from hf_specdec.schedules import HeuristicSchedule, SpeculationSchedule
@@ -94,6 +95,7 @@ def generate(
         check_supported_cache(spec.draft_model, role="draft", needs_positions=not model.config.is_encoder_decoder)
     _check_alibi_columns(model, spec, input_ids, generation_config, model_kwargs)
     check_speculation_type(getattr(generation_config, "speculation_type", None))
+    check_recurrent_call(model, spec, generation_config, model_kwargs)
     streamer = spec_streamer if spec_streamer is not None else spec.streamer
     tokenizer = spec_tokenizer if spec_tokenizer is not None else spec.tokenizer
     if spec_stop_strings is not None:
@@ -119,7 +121,7 @@ def generate(
         static = static_plan(model, spec, generation_config, model_kwargs.get("past_key_values"))
     handoff = (
         None
-        if static
+        if static or is_hybrid(model)  # hybrids: no cache to adopt or hand back (refused above)
         else build_handoff(model, spec, input_ids, generation_config, model_kwargs.get("past_key_values"))
     )
     batch = RaggedBatch.from_prompts(

@@ -1,9 +1,10 @@
 """Which models hf_specdec can run exactly: checked on the model's cache and layer kinds before any model work.
 
 Speculation rolls rejected positions back and reads holes through explicit 4-D masks, which is exact only for
-plain attention KV caches (full, sliding-window and chunked attention: masks built from the column map). A model
-whose state is recurrent (RWKV, Mamba, xLSTM, recurrent Gemma, linear attention, gated delta-net hybrids) is
-refused up front. The check reads what transformers itself would build for the model (the cache
+plain attention KV caches (full, sliding-window and chunked attention: masks built from the column map) and for
+transformers' `linear_attention` cache layers (gated delta-net, Mamba2 and KDA hybrids: `hf_specdec.recurrent`).
+A model whose state is recurrent outside a transformers Cache (RWKV, Mamba, xLSTM, recurrent Gemma) is refused
+up front. The check reads what transformers itself would build for the model (the cache
 layer types of `DynamicCache(config=...)`), not a list of model names: `SUPPORTED_LAYER_TYPES` is the one
 allow-set to extend when `hf_specdec.cache` learns a new layer kind.
 
@@ -20,8 +21,9 @@ import inspect
 
 from transformers import PreTrainedModel, cache_utils
 
-#: Cache layer types (transformers' `layer_types` names) whose rollback and masks `hf_specdec.cache` implements.
-SUPPORTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
+#: Cache layer types (transformers' `layer_types` names) whose rollback and masks `hf_specdec.cache` implements
+#: (`linear_attention`: the recurrent layers of hybrids, rolled back by `hf_specdec.recurrent`).
+SUPPORTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "linear_attention"})
 
 #: The attention implementations that take the explicit 4-D masks with holes this package builds.
 SUPPORTED_ATTENTION = ("sdpa", "eager")
