@@ -15,7 +15,8 @@ import inspect
 from transformers import PreTrainedModel, cache_utils
 
 #: Cache layer types (transformers' `layer_types` names) whose rollback and masks `hf_specdec.cache` implements.
-SUPPORTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
+#: "dummy": a layer that keeps no cache (Gemma 4's KV-shared layers reuse an earlier layer's keys): nothing to roll back.
+SUPPORTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "dummy"})
 
 #: The attention implementations that take the explicit 4-D masks with holes this package builds.
 SUPPORTED_ATTENTION = ("sdpa", "eager")

@@ -1,0 +1,211 @@
+"""Gemma4AssistantProposer: greedy identity, drafts equal to transformers' own assistant forward, exact sampling.
+
+The target is a tiny random Gemma 4 (sliding and full layers, the last two sharing keys through
+`num_kv_shared_layers`, per-layer inputs); its assistant is a tiny `Gemma4AssistantForCausalLM` that leans towards
+drafting the token it is fed (so drafts are often right and acceptance is ragged). Every draft is checked against
+transformers' own `Gemma4AssistantForCausalLM.forward` on the row's committed prefix, run alone and unpadded.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import transformers
+from conftest import EOS_ID, PAD_ID, make_gemma4, make_gemma4_assistant, make_prompts, spec_generate
+from scipy.stats import chisquare
+
+import hf_specdec
+from hf_specdec.proposers.gemma4_assistant import Gemma4AssistantProposer
+
+pytestmark = pytest.mark.skipif(
+    not hasattr(transformers, "Gemma4AssistantForCausalLM"), reason="this transformers has no Gemma 4 assistants"
+)
+
+
+@pytest.fixture(scope="module")
+def gemma4():
+    target = make_gemma4()
+    return target, make_gemma4_assistant(target, echo=0.7)
+
+
+def reference_drafts(target, assistant, tokens: torch.Tensor, k: int) -> list[int]:
+    """k greedy drafts of transformers' own assistant forward for one unpadded row `tokens` [L]."""
+    with torch.no_grad():
+        out = target(tokens[None, :-1], output_hidden_states=True, return_shared_kv_states=True)
+        hidden = out.hidden_states[-1][:, -1:]  # [1, 1, H]
+        token = tokens[None, -1:]  # [1, 1]
+        position = torch.tensor([[tokens.shape[0] - 1]])
+        drafts = []
+        for _ in range(k):
+            inputs = torch.cat([target.get_input_embeddings()(token), hidden], dim=-1)
+            step = assistant(inputs_embeds=inputs, position_ids=position, shared_kv_states=dict(out.shared_kv_states))
+            token, hidden = step.logits.argmax(-1), step.last_hidden_state
+            drafts.append(int(token))
+    return drafts
+
+
+def record_drafts(monkeypatch: pytest.MonkeyPatch) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Each proposal's (committed rows [B, C], lengths [B], drafts [B, k]), pads stripped later."""
+    steps = []
+    propose = Gemma4AssistantProposer.propose
+
+    def recording(proposer, batch, max_draft_tokens, sampling):  # noqa: ANN001, ANN202
+        rows = batch.token_ids.clone()
+        proposal = propose(proposer, batch, max_draft_tokens, sampling)
+        steps.append((rows, batch.lengths.clone(), batch.pad_lengths.clone(), proposal.draft_token_ids))
+        return proposal
+
+    monkeypatch.setattr(Gemma4AssistantProposer, "propose", recording)
+    return steps
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 8])
+@pytest.mark.parametrize("k", [1, 4])
+def test_greedy_matches_generate_and_transformers_assistant(gemma4, batch_size, k, monkeypatch) -> None:
+    target, assistant = gemma4
+    inputs = make_prompts(batch_size, seed=batch_size, repetitive=False)
+    expected = target.generate(**inputs, max_new_tokens=16, do_sample=False)
+    steps = record_drafts(monkeypatch)
+    spec = hf_specdec.SpecDecoder(draft_model=assistant, num_speculative_tokens=k)
+    assert spec.method == "gemma4_assistant"
+    out = spec_generate(target, inputs, spec, max_new_tokens=16, do_sample=False)
+    assert torch.equal(out, expected)
+    stats = spec.last_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats  # some drafts accepted, some rejected
+    checked = 0
+    for token_ids, lengths, pad_lengths, drafts in steps[:: max(1, len(steps) // 4)]:
+        for i in range(token_ids.shape[0]):
+            num = int((drafts[i] >= 0).sum())
+            if num:
+                row = token_ids[i, pad_lengths[i] : lengths[i]]
+                assert drafts[i, :num].tolist() == reference_drafts(target, assistant, row, num)
+                checked += 1
+    assert checked > 0
+
+
+def test_batch_one_equals_transformers_route_and_plain(gemma4) -> None:
+    target, assistant = gemma4
+    inputs = {"input_ids": make_prompts(1, seed=7, repetitive=False)["input_ids"]}
+    plain = target.generate(**inputs, max_new_tokens=16, do_sample=False)
+    assistant.generation_config.num_assistant_tokens = 4
+    stock = target.generate(**inputs, max_new_tokens=16, do_sample=False, assistant_model=assistant)
+    hf_specdec.install()
+    try:  # the same call, routed: transformers' arguments, hf_specdec's loop
+        routed = target.generate(**inputs, max_new_tokens=16, do_sample=False, assistant_model=assistant)
+        spec_via_install = target.generate(
+            **inputs, max_new_tokens=16, do_sample=False, spec_decoder=hf_specdec.SpecDecoder(draft_model=assistant)
+        )
+    finally:
+        hf_specdec.uninstall()
+    assert torch.equal(stock, plain)
+    assert torch.equal(routed, plain)
+    assert torch.equal(spec_via_install, plain)
+
+
+def test_routed_call_runs_the_gemma4_proposer(gemma4, monkeypatch) -> None:
+    target, assistant = gemma4
+    steps = record_drafts(monkeypatch)
+    inputs = make_prompts(3, seed=2, repetitive=False)
+    expected = target.generate(**inputs, max_new_tokens=10, do_sample=False)
+    hf_specdec.install()
+    try:
+        out = target.generate(
+            **inputs, max_new_tokens=10, do_sample=False, assistant_model=assistant, num_assistant_tokens=3
+        )
+    finally:
+        hf_specdec.uninstall()
+    assert torch.equal(out, expected)
+    assert steps and all(drafts.shape[1] <= 3 for *_, drafts in steps)
+
+
+# --- sampling: the first tokens follow the target's exact law ------------------------------------------------
+
+LAW_VOCAB = 12
+NUM_TOKENS = 3
+NUM_SAMPLES = 6000
+
+
+def exact_joint_law(target, prompt: torch.Tensor, temperature: float) -> torch.Tensor:  # [V ** NUM_TOKENS]
+    """P(t1, .., tn) of plain sampling at `temperature`, from the target's logits."""
+    law = torch.ones(1, dtype=torch.double)
+    for i in range(NUM_TOKENS):
+        prefixes = torch.tensor(list(itertools.product(range(LAW_VOCAB), repeat=i)), dtype=torch.long)
+        rows = torch.cat([prompt.expand(len(prefixes), -1), prefixes.reshape(len(prefixes), i)], dim=1)
+        with torch.no_grad():
+            step = torch.softmax(target(rows).logits[:, -1].double() / temperature, dim=-1)  # [V ** i, V]
+        finished = (prefixes == EOS_ID).any(1)  # rows that drew EOS hold padding afterwards
+        step[finished] = 0.0
+        step[finished, PAD_ID] = 1.0
+        law = (law[:, None] * step).reshape(-1)
+    return law
+
+
+def test_sampling_follows_the_target_law() -> None:
+    target = make_gemma4(seed=3, vocab=LAW_VOCAB, initializer_range=0.3)
+    assistant = make_gemma4_assistant(target, seed=4, echo=0.5)
+    prompt = torch.tensor([[5, 6, 11, 5, 6, 11, 5, 6]])
+    inputs = {"input_ids": prompt.expand(NUM_SAMPLES, -1), "attention_mask": torch.ones(NUM_SAMPLES, prompt.shape[1])}
+    spec = hf_specdec.SpecDecoder(draft_model=assistant, num_speculative_tokens=2, seed=1234)
+    out = spec_generate(target, inputs, spec, max_new_tokens=NUM_TOKENS, do_sample=True, temperature=1.0, top_k=0)
+    stats = spec.last_stats
+    assert 0.05 < stats.acceptance_rate < 0.95, stats
+    tokens = out[:, prompt.shape[1] : prompt.shape[1] + NUM_TOKENS]  # [N, n]
+    index = (tokens * LAW_VOCAB ** torch.arange(NUM_TOKENS - 1, -1, -1)).sum(1)
+    counts = torch.bincount(index, minlength=LAW_VOCAB**NUM_TOKENS).double()
+    law = exact_joint_law(target, prompt, 1.0)
+    expected = law / law.sum() * NUM_SAMPLES
+    assert int(counts[expected == 0].sum()) == 0
+    common = expected >= 5  # cells expected below 5 are merged into one
+    observed = torch.cat([counts[common], counts[~common].sum()[None]])
+    expected = torch.cat([expected[common], expected[~common].sum()[None]])
+    assert chisquare(observed.numpy(), expected.numpy()).pvalue > 1e-3
+    assert float((counts / NUM_SAMPLES - law / law.sum()).abs().sum() / 2) < 0.08
+
+
+# --- refusals --------------------------------------------------------------------------------------------------
+
+
+def test_refusals_teach(gemma4, llama) -> None:
+    target, assistant = gemma4
+    inputs = make_prompts(2, seed=1)
+    spec = hf_specdec.SpecDecoder(draft_model=assistant, num_speculative_tokens=2)
+    with pytest.raises(NotImplementedError, match="Gemma 4 target"):
+        spec_generate(llama, inputs, spec, max_new_tokens=4)
+    with pytest.raises(NotImplementedError, match="static"):
+        spec_generate(target, inputs, spec, max_new_tokens=4, cache_implementation="static")
+    with pytest.raises(ValueError, match="draft_confidence_threshold"):
+        hf_specdec.SpecDecoder(draft_model=assistant, draft_confidence_threshold=0.4)
+    hf_specdec.install()
+    try:
+        with pytest.raises(ValueError, match="assistant_confidence_threshold"):
+            target.generate(**inputs, max_new_tokens=4, assistant_model=assistant, assistant_confidence_threshold=0.4)
+    finally:
+        hf_specdec.uninstall()
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=target.config)
+    target(**make_prompts(2, seed=1), past_key_values=cache)
+    longer = make_prompts(2, seed=1)
+    longer = {
+        "input_ids": torch.cat([longer["input_ids"], torch.full((2, 2), 7)], 1),
+        "attention_mask": torch.cat([longer["attention_mask"], torch.ones(2, 2, dtype=torch.long)], 1),
+    }
+    with pytest.raises(NotImplementedError, match="filled past_key_values"):
+        spec_generate(target, longer, spec, max_new_tokens=4, past_key_values=cache)
+
+
+def test_the_hooks_are_removed_even_when_the_call_fails(gemma4, monkeypatch) -> None:
+    target, assistant = gemma4
+    decoder = target.get_decoder()
+    before = (len(decoder._forward_hooks), len(decoder._forward_pre_hooks))
+
+    def failing(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise RuntimeError("assistant failed")
+
+    monkeypatch.setattr(hf_specdec.compat, "gemma4_assistant_step", failing)
+    spec = hf_specdec.SpecDecoder(draft_model=assistant, num_speculative_tokens=2)
+    with pytest.raises(RuntimeError, match="assistant failed"):
+        spec_generate(target, make_prompts(2, seed=1), spec, max_new_tokens=4)
+    assert (len(decoder._forward_hooks), len(decoder._forward_pre_hooks)) == before
