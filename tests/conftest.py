@@ -402,3 +402,23 @@ def make_gemma4_assistant(target: torch.nn.Module, seed: int = 1, echo: float = 
         head = torch.nn.functional.normalize(projected, dim=-1) * 8.0
         assistant.lm_head.weight.mul_(1 - echo).add_(echo * head)
     return assistant.eval()
+
+
+def make_dflash_drafter(target: torch.nn.Module, seed: int = 1, block_size: int = 5, sliding_window: int = 64):
+    """A tiny random DFlash drafter (`MuseGlimmerAssistantModel`) for `target`: a sliding and a full layer, reading
+    the target's first and last layers' states. Keep sliding_window above the tests' lengths to compare with
+    transformers' own forward (without a cache, its bidirectional window does not offset the block's positions)."""
+    from transformers import MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
+
+    text = target.config.get_text_config()
+    config = MuseGlimmerAssistantConfig(
+        **tiny_config_kwargs(text.vocab_size, 2, text.hidden_size),
+        head_dim=16,
+        sliding_window=sliding_window,
+        layer_types=["sliding_attention", "full_attention"],
+        block_size=block_size,
+        mask_token_id=3,
+        target_layer_ids=[0, text.num_hidden_layers - 1],
+    )
+    torch.manual_seed(seed)
+    return MuseGlimmerAssistantModel._from_config(config, attn_implementation="sdpa").eval()

@@ -8,13 +8,11 @@ transformers' own `Gemma4AssistantForCausalLM.forward` on the row's committed pr
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 import transformers
-from conftest import EOS_ID, PAD_ID, make_gemma4, make_gemma4_assistant, make_prompts, spec_generate
-from scipy.stats import chisquare
+from conftest import make_gemma4, make_gemma4_assistant, make_prompts, spec_generate
+from first_tokens_law import check_first_tokens, exact_joint_law
 
 import hf_specdec
 from hf_specdec.proposers.gemma4_assistant import Gemma4AssistantProposer
@@ -127,21 +125,6 @@ NUM_TOKENS = 3
 NUM_SAMPLES = 6000
 
 
-def exact_joint_law(target, prompt: torch.Tensor, temperature: float) -> torch.Tensor:  # [V ** NUM_TOKENS]
-    """P(t1, .., tn) of plain sampling at `temperature`, from the target's logits."""
-    law = torch.ones(1, dtype=torch.double)
-    for i in range(NUM_TOKENS):
-        prefixes = torch.tensor(list(itertools.product(range(LAW_VOCAB), repeat=i)), dtype=torch.long)
-        rows = torch.cat([prompt.expand(len(prefixes), -1), prefixes.reshape(len(prefixes), i)], dim=1)
-        with torch.no_grad():
-            step = torch.softmax(target(rows).logits[:, -1].double() / temperature, dim=-1)  # [V ** i, V]
-        finished = (prefixes == EOS_ID).any(1)  # rows that drew EOS hold padding afterwards
-        step[finished] = 0.0
-        step[finished, PAD_ID] = 1.0
-        law = (law[:, None] * step).reshape(-1)
-    return law
-
-
 def test_sampling_follows_the_target_law() -> None:
     target = make_gemma4(seed=3, vocab=LAW_VOCAB, initializer_range=0.3)
     assistant = make_gemma4_assistant(target, seed=4, echo=0.5)
@@ -151,17 +134,7 @@ def test_sampling_follows_the_target_law() -> None:
     out = spec_generate(target, inputs, spec, max_new_tokens=NUM_TOKENS, do_sample=True, temperature=1.0, top_k=0)
     stats = spec.last_stats
     assert 0.05 < stats.acceptance_rate < 0.95, stats
-    tokens = out[:, prompt.shape[1] : prompt.shape[1] + NUM_TOKENS]  # [N, n]
-    index = (tokens * LAW_VOCAB ** torch.arange(NUM_TOKENS - 1, -1, -1)).sum(1)
-    counts = torch.bincount(index, minlength=LAW_VOCAB**NUM_TOKENS).double()
-    law = exact_joint_law(target, prompt, 1.0)
-    expected = law / law.sum() * NUM_SAMPLES
-    assert int(counts[expected == 0].sum()) == 0
-    common = expected >= 5  # cells expected below 5 are merged into one
-    observed = torch.cat([counts[common], counts[~common].sum()[None]])
-    expected = torch.cat([expected[common], expected[~common].sum()[None]])
-    assert chisquare(observed.numpy(), expected.numpy()).pvalue > 1e-3
-    assert float((counts / NUM_SAMPLES - law / law.sum()).abs().sum() / 2) < 0.08
+    check_first_tokens(out, prompt, exact_joint_law(target, prompt, NUM_TOKENS, 1.0), NUM_TOKENS)
 
 
 # --- refusals --------------------------------------------------------------------------------------------------
