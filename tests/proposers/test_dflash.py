@@ -154,3 +154,12 @@ def test_refusals_teach(dflash, llama) -> None:
     }
     with pytest.raises(NotImplementedError, match="filled past_key_values"):
         spec_generate(target, longer, spec, max_new_tokens=4, past_key_values=cache)
+
+
+@pytest.mark.library_default
+def test_adaptive_schedule_keeps_greedy_identity(dflash) -> None:
+    target, drafter = dflash
+    inputs = make_prompts(4, vocab=VOCAB, seed=9, repetitive=False)
+    expected = target.generate(**inputs, max_new_tokens=12, do_sample=False)
+    spec = hf_specdec.SpecDecoder(method="dflash", draft_model=drafter)  # the default: the adaptive schedule
+    assert torch.equal(spec_generate(target, inputs, spec, max_new_tokens=12, do_sample=False), expected)

@@ -182,3 +182,23 @@ def test_the_hooks_are_removed_even_when_the_call_fails(gemma4, monkeypatch) -> 
     with pytest.raises(RuntimeError, match="assistant failed"):
         spec_generate(target, make_prompts(2, seed=1), spec, max_new_tokens=4)
     assert (len(decoder._forward_hooks), len(decoder._forward_pre_hooks)) == before
+
+
+@pytest.mark.library_default
+def test_adaptive_schedule_and_eager_attention_keep_greedy_identity(gemma4) -> None:
+    target, assistant = gemma4
+    inputs = make_prompts(4, seed=9, repetitive=False)
+    expected = target.generate(**inputs, max_new_tokens=12, do_sample=False)
+    spec = hf_specdec.SpecDecoder(draft_model=assistant)  # the default: the adaptive schedule (calibrates)
+    assert torch.equal(spec_generate(target, inputs, spec, max_new_tokens=12, do_sample=False), expected)
+    target.set_attn_implementation("eager")
+    assistant.set_attn_implementation("eager")
+    try:  # additive float masks instead of boolean ones
+        eager = hf_specdec.SpecDecoder(
+            draft_model=assistant, num_speculative_tokens=3, num_speculative_tokens_schedule="constant"
+        )
+        assert torch.equal(spec_generate(target, inputs, eager, max_new_tokens=12, do_sample=False), expected)
+        assert assistant.config.get_text_config()._attn_implementation == "eager"
+    finally:
+        target.set_attn_implementation("sdpa")
+        assistant.set_attn_implementation("sdpa")
