@@ -341,18 +341,25 @@ def make_word_tokenizer(words: list[str], padding_side: str = "left"):
     )
 
 
-def make_gemma4(seed: int = 0, vocab: int = VOCAB, initializer_range: float = 0.1, shared_layers: int = 2):
+def make_gemma4(
+    seed: int = 0,
+    vocab: int = VOCAB,
+    initializer_range: float = 0.1,
+    shared_layers: int = 2,
+    layers: int = 4,
+    hidden: int = 64,
+):
     """A tiny random Gemma 4 text model: sliding (window 4) and full layers, the last `shared_layers` sharing the
     keys of earlier ones (`num_kv_shared_layers`), per-layer inputs. Its greedy output mixes repeats and changes."""
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
     torch.manual_seed(seed)
     config = Gemma4TextConfig(
-        **{**tiny_config_kwargs(vocab, 4, 64), "initializer_range": initializer_range},
+        **{**tiny_config_kwargs(vocab, layers, hidden), "initializer_range": initializer_range},
         head_dim=16,
         global_head_dim=16,
         sliding_window=4,
-        layer_types=["sliding_attention", "full_attention"] * 2,
+        layer_types=["sliding_attention", "full_attention"] * (layers // 2),
         num_kv_shared_layers=shared_layers,
         hidden_size_per_layer_input=8,
         vocab_size_per_layer_input=vocab,

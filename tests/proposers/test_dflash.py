@@ -80,10 +80,21 @@ def test_greedy_matches_generate_and_the_drafter_forward(dflash, batch_size, k, 
     assert checked > 0
 
 
-def test_batch_one_equals_transformers_route_and_plain(dflash, monkeypatch) -> None:
+def test_batch_one_equals_transformers_route_and_its_drafts(dflash, monkeypatch) -> None:
+    from transformers.generation import candidate_generator
+
     target, drafter = dflash
     inputs = {"input_ids": make_prompts(1, vocab=VOCAB, seed=7, repetitive=False)["input_ids"]}
     plain = target.generate(**inputs, max_new_tokens=16, do_sample=False)
+    stock_drafts = []
+    get_candidates = candidate_generator.DFlashTokenCandidateGenerator.get_candidates
+
+    def recording(generator, input_ids, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        ids, logits = get_candidates(generator, input_ids, **kwargs)
+        stock_drafts.append(ids[0, input_ids.shape[1] :].tolist())
+        return ids, logits
+
+    monkeypatch.setattr(candidate_generator.DFlashTokenCandidateGenerator, "get_candidates", recording)
     stock = target.generate(
         **inputs, max_new_tokens=16, do_sample=False, assistant_model=drafter, speculation_type="dflash"
     )
@@ -97,7 +108,11 @@ def test_batch_one_equals_transformers_route_and_plain(dflash, monkeypatch) -> N
         hf_specdec.uninstall()
     assert torch.equal(stock, plain)
     assert torch.equal(routed, plain)
-    assert steps and max(drafts.shape[1] for *_, drafts in steps) == drafter.config.block_size - 1
+    ours = [drafts[0][drafts[0] >= 0].tolist() for *_, drafts in steps]
+    assert ours and max(len(d) for d in ours) == drafter.config.block_size - 1
+    # Step by step the same drafts (the last steps near max_new_tokens: ours drafts only what still fits).
+    assert len(stock_drafts) - 1 <= len(ours) <= len(stock_drafts)
+    assert all(mine == theirs[: len(mine)] for mine, theirs in zip(ours, stock_drafts))
 
 
 def test_more_drafts_than_the_block_holds_are_clamped(dflash) -> None:

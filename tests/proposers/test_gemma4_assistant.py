@@ -83,12 +83,25 @@ def test_greedy_matches_generate_and_transformers_assistant(gemma4, batch_size, 
     assert checked > 0
 
 
-def test_batch_one_equals_transformers_route_and_plain(gemma4) -> None:
+def test_batch_one_equals_transformers_route_and_plain(gemma4, monkeypatch) -> None:
+    from transformers.generation import candidate_generator
+
     target, assistant = gemma4
     inputs = {"input_ids": make_prompts(1, seed=7, repetitive=False)["input_ids"]}
     plain = target.generate(**inputs, max_new_tokens=16, do_sample=False)
+    stock_drafts = []
+    generator = candidate_generator.SinglePositionMultiTokenCandidateGenerator
+    get_candidates = generator.get_candidates
+
+    def recording(self, input_ids, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        ids, logits = get_candidates(self, input_ids, **kwargs)
+        stock_drafts.append(ids[0, input_ids.shape[1] :].tolist())
+        return ids, logits
+
+    monkeypatch.setattr(generator, "get_candidates", recording)
     assistant.generation_config.num_assistant_tokens = 4
     stock = target.generate(**inputs, max_new_tokens=16, do_sample=False, assistant_model=assistant)
+    steps = record_drafts(monkeypatch)
     hf_specdec.install()
     try:  # the same call, routed: transformers' arguments, hf_specdec's loop
         routed = target.generate(**inputs, max_new_tokens=16, do_sample=False, assistant_model=assistant)
@@ -100,6 +113,9 @@ def test_batch_one_equals_transformers_route_and_plain(gemma4) -> None:
     assert torch.equal(stock, plain)
     assert torch.equal(routed, plain)
     assert torch.equal(spec_via_install, plain)
+    # The first drafts of a call read the prefill's states: there both routes see the same keys (docs/design.md).
+    first = next(drafts[0] for *_, drafts in steps if drafts.shape[1])
+    assert first.tolist() == stock_drafts[1][: first.shape[0]]  # transformers' first call drafts nothing
 
 
 def test_routed_call_runs_the_gemma4_proposer(gemma4, monkeypatch) -> None:
