@@ -53,8 +53,8 @@ def check_gemma4_assistant(target: PreTrainedModel, assistant: PreTrainedModel) 
     if not name.startswith("Gemma4") or decoder is None or not hasattr(decoder, "layers"):
         raise NotImplementedError(
             f"A Gemma 4 assistant drafts from a Gemma 4 target's keys and values, but the target is {name}: "
-            "hf_specdec runs Gemma 4 assistants on Gemma4ForCausalLM / Gemma4ForConditionalGeneration (text) "
-            "targets only (Gemma 3n targets are not supported yet); use another draft for this target."
+            "hf_specdec runs Gemma 4 assistants on Gemma 4 text targets (Gemma4ForCausalLM; Gemma 3n targets are "
+            "not supported yet); use another draft for this target."
         )
     config = target.config.get_text_config()
     sources = kv_source_layers(target)

@@ -218,3 +218,35 @@ def test_adaptive_schedule_and_eager_attention_keep_greedy_identity(gemma4) -> N
     finally:
         target.set_attn_implementation("sdpa")
         assistant.set_attn_implementation("sdpa")
+
+
+def test_kv_shared_gemma4_targets_work_with_other_methods_and_cache_continuation(gemma4) -> None:
+    """Gemma 4's KV-shared layers keep no cache (`DummyLayer`): prompt lookup is exact, and a filled cache is
+    continued and handed back like plain decoding's (its DummyLayers kept)."""
+    import copy
+
+    from transformers import DynamicCache
+
+    target, _ = gemma4
+    first = make_prompts(3, seed=4, max_len=8)
+    spec = hf_specdec.SpecDecoder(method="ngram", num_speculative_tokens=3, prompt_lookup_max=2)
+    expected = target.generate(**first, max_new_tokens=10, do_sample=False)
+    assert torch.equal(spec_generate(target, first, spec, max_new_tokens=10, do_sample=False), expected)
+    cache = DynamicCache(config=target.config)
+    common = dict(max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
+    out = target.generate(**first, past_key_values=cache, **common)
+    new = torch.randint(3, 96, (3, 3), generator=torch.Generator().manual_seed(1))
+    mask = torch.cat([first["attention_mask"], torch.ones(3, 6 + 3, dtype=torch.long)], 1)
+    inputs = {"input_ids": torch.cat([out.sequences, new], 1), "attention_mask": mask}
+    theirs_cache = copy.deepcopy(cache)
+    theirs = target.generate(**inputs, past_key_values=theirs_cache, **common)
+    ours = spec_generate(target, inputs, spec, past_key_values=cache, **common)
+    assert torch.equal(ours.sequences, theirs.sequences)
+    assert [type(layer) for layer in cache.layers] == [type(layer) for layer in theirs_cache.layers]
+    width = ours.sequences.shape[1] - 1  # plain decoding's cache: every token but the last
+    full_mask = torch.cat([mask, torch.ones(3, 6, dtype=torch.long)], 1)[:, :width]
+    real = full_mask[:, None, :, None].bool()  # [B, 1, W, 1] padding columns hold anything
+    for a, b in zip(cache.layers, theirs_cache.layers):
+        if getattr(a, "keys", None) is not None and a.keys.numel():
+            real_a = real[:, :, -a.keys.shape[2] :]
+            assert torch.allclose(torch.where(real_a, a.keys, 0), torch.where(real_a, b.keys, 0), atol=1e-4)
