@@ -23,6 +23,15 @@ pytestmark = pytest.mark.skipif(
 VOCAB = 16
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """These tiny models run fastest on one thread (two spin-wait badly on a shared 2-core machine: 100x slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def dflash():
     target = make_model("llama", seed=0, layers=3, vocab=VOCAB)

@@ -22,6 +22,15 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """These tiny models run fastest on one thread (two spin-wait badly on a shared 2-core machine: 100x slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def gemma4():
     target = make_gemma4()
