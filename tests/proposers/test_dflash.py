@@ -187,3 +187,32 @@ def test_adaptive_schedule_keeps_greedy_identity(dflash) -> None:
     expected = target.generate(**inputs, max_new_tokens=12, do_sample=False)
     spec = hf_specdec.SpecDecoder(method="dflash", draft_model=drafter)  # the default: the adaptive schedule
     assert torch.equal(spec_generate(target, inputs, spec, max_new_tokens=12, do_sample=False), expected)
+
+
+def test_compacted_drafter_cache_keeps_the_drafts(dflash, monkeypatch) -> None:
+    """Ragged rows leave holes in the drafter's context; compacting them (forced early here) changes nothing."""
+    from hf_specdec import cache as cache_module
+
+    monkeypatch.setattr(cache_module, "COMPACT_MIN_COLUMNS", 4)
+    monkeypatch.setattr(cache_module, "COMPACT_HOLE_SHARE", 0.05)
+    compactions = []
+    compact = cache_module.CacheView.compact
+
+    def counting(view, keep):  # noqa: ANN001, ANN202
+        compactions.append(type(view).__name__)
+        compact(view, keep)
+
+    monkeypatch.setattr(cache_module.CacheView, "compact", counting)
+    target, drafter = dflash
+    inputs = make_prompts(4, vocab=VOCAB, seed=11, repetitive=False)
+    expected = target.generate(**inputs, max_new_tokens=24, do_sample=False)
+    steps = record_drafts(monkeypatch)
+    spec = hf_specdec.SpecDecoder(method="dflash", draft_model=drafter, num_speculative_tokens=4)
+    assert torch.equal(spec_generate(target, inputs, spec, max_new_tokens=24, do_sample=False), expected)
+    assert "DFlashContextView" in compactions
+    for token_ids, lengths, pad_lengths, drafts in steps:
+        for i in range(token_ids.shape[0]):
+            num = int((drafts[i] >= 0).sum())
+            if num:
+                row = token_ids[i, pad_lengths[i] : lengths[i]]
+                assert drafts[i, :num].tolist() == reference_drafts(target, drafter, row, num)

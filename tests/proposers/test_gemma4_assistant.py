@@ -259,3 +259,33 @@ def test_kv_shared_gemma4_targets_work_with_other_methods_and_cache_continuation
         if getattr(a, "keys", None) is not None and a.keys.numel():
             real_a = real[:, :, -a.keys.shape[2] :]
             assert torch.allclose(torch.where(real_a, a.keys, 0), torch.where(real_a, b.keys, 0), atol=1e-4)
+
+
+def test_compacted_target_cache_keeps_the_drafts(gemma4, monkeypatch) -> None:
+    """The assistant reads the target's keys with holes; after the target's cache is compacted (forced early
+    here) its drafts are still transformers' own assistant forward on the committed prefix."""
+    from hf_specdec import cache as cache_module
+
+    monkeypatch.setattr(cache_module, "COMPACT_MIN_COLUMNS", 4)
+    monkeypatch.setattr(cache_module, "COMPACT_HOLE_SHARE", 0.05)
+    compactions = []
+    compact = cache_module.CacheView.compact
+
+    def counting(view, keep):  # noqa: ANN001, ANN202
+        compactions.append(view.width)
+        compact(view, keep)
+
+    monkeypatch.setattr(cache_module.CacheView, "compact", counting)
+    target, assistant = gemma4
+    inputs = make_prompts(4, seed=11, repetitive=False)
+    expected = target.generate(**inputs, max_new_tokens=24, do_sample=False)
+    steps = record_drafts(monkeypatch)
+    spec = hf_specdec.SpecDecoder(draft_model=assistant, num_speculative_tokens=4)
+    assert torch.equal(spec_generate(target, inputs, spec, max_new_tokens=24, do_sample=False), expected)
+    assert compactions
+    for token_ids, lengths, pad_lengths, drafts in steps:
+        for i in range(token_ids.shape[0]):
+            num = int((drafts[i] >= 0).sum())
+            if num:
+                row = token_ids[i, pad_lengths[i] : lengths[i]]
+                assert drafts[i, :num].tolist() == reference_drafts(target, assistant, row, num)
