@@ -36,7 +36,8 @@ class SpecDecoder:
             `"ngram"`.
         draft_model (`PreTrainedModel`, *optional*):
             The draft model for `method="draft"`. It must have the target's vocabulary and sit on the
-            target's device.
+            target's device. For `method="gemma4_assistant"` the `Gemma4AssistantForCausalLM` (or its unified
+            twin) of a Gemma 4 target; for `method="dflash"` the DFlash drafter (`MuseGlimmerAssistantModel`).
         draft_tokenizer (`PreTrainedTokenizerBase`, *optional*):
             The draft model's tokenizer when it differs from the target's (HF's `assistant_tokenizer`: universal
             assisted generation). Drafts are translated through text; the target's tokenizer must be given too

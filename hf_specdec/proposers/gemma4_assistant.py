@@ -46,7 +46,9 @@ def check_gemma4_assistant(target: PreTrainedModel, assistant: PreTrainedModel) 
     """Raise a clear error unless `assistant` can draft for `target`; return `kv_source_layers(target)`."""
     if not is_gemma4_assistant(assistant):
         raise TypeError(
-            f"Expected a Gemma4AssistantForCausalLM or Gemma4UnifiedAssistantForCausalLM, got {type(assistant).__name__}."
+            "SpecDecoder(method='gemma4_assistant') needs a Gemma4AssistantForCausalLM or "
+            f"Gemma4UnifiedAssistantForCausalLM as draft_model, got {type(assistant).__name__}: use method='draft' "
+            "for a causal LM draft."
         )
     name = type(target).__name__
     decoder = target.get_decoder() if hasattr(target, "get_decoder") else None

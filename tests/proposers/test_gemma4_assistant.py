@@ -175,6 +175,9 @@ def test_refusals_teach(gemma4, llama) -> None:
         spec_generate(target, inputs, spec, max_new_tokens=4, cache_implementation="static")
     with pytest.raises(ValueError, match="draft_confidence_threshold"):
         hf_specdec.SpecDecoder(draft_model=assistant, draft_confidence_threshold=0.4)
+    wrong = hf_specdec.SpecDecoder(method="gemma4_assistant", draft_model=llama, num_speculative_tokens=2)
+    with pytest.raises(TypeError, match="needs a Gemma4AssistantForCausalLM.*LlamaForCausalLM.*method='draft'"):
+        spec_generate(target, inputs, wrong, max_new_tokens=4)
     hf_specdec.install()
     try:
         with pytest.raises(ValueError, match="assistant_confidence_threshold"):
