@@ -233,8 +233,8 @@ def test_adaptive_schedule_and_eager_attention_keep_greedy_identity(gemma4) -> N
 
 
 def test_kv_shared_gemma4_targets_work_with_other_methods_and_cache_continuation(gemma4) -> None:
-    """Gemma 4's KV-shared layers keep no cache (`DummyLayer`): prompt lookup is exact, and a filled cache is
-    continued and handed back like plain decoding's (its DummyLayers kept)."""
+    """Gemma 4's KV-shared layers keep no cache (`DummyLayer`): prompt lookup is exact on dynamic and static caches,
+    and a filled cache is continued and handed back like plain decoding's (its DummyLayers kept)."""
     import copy
 
     from transformers import DynamicCache
@@ -244,6 +244,8 @@ def test_kv_shared_gemma4_targets_work_with_other_methods_and_cache_continuation
     spec = hf_specdec.SpecDecoder(method="ngram", num_speculative_tokens=3, prompt_lookup_max=2)
     expected = target.generate(**first, max_new_tokens=10, do_sample=False)
     assert torch.equal(spec_generate(target, first, spec, max_new_tokens=10, do_sample=False), expected)
+    static = spec_generate(target, first, spec, max_new_tokens=10, do_sample=False, cache_implementation="static")
+    assert torch.equal(static, expected)
     cache = DynamicCache(config=target.config)
     common = dict(max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
     out = target.generate(**first, past_key_values=cache, **common)
