@@ -389,7 +389,7 @@ def make_gemma4_assistant(target: torch.nn.Module, seed: int = 1, echo: float = 
         vocab_size_per_layer_input=0,
     )
     config = Gemma4AssistantConfig(text_config=text, backbone_hidden_size=target.config.hidden_size)
-    original = Gemma4TextConfig.kv_sharing_modes
+    original = getattr(Gemma4TextConfig, "kv_sharing_modes", None)  # a property since transformers 5.2x
 
     def all_shared(self):  # noqa: ANN001, ANN202
         if self.num_kv_shared_layers == self.num_hidden_layers:
@@ -397,11 +397,13 @@ def make_gemma4_assistant(target: torch.nn.Module, seed: int = 1, echo: float = 
         return original.fget(self)
 
     torch.manual_seed(seed)
-    Gemma4TextConfig.kv_sharing_modes = property(all_shared)
+    if original is not None:
+        Gemma4TextConfig.kv_sharing_modes = property(all_shared)
     try:
         assistant = Gemma4AssistantForCausalLM._from_config(config, attn_implementation="sdpa")
     finally:
-        Gemma4TextConfig.kv_sharing_modes = original
+        if original is not None:
+            Gemma4TextConfig.kv_sharing_modes = original
     with torch.no_grad():  # the head scores each token by how well it matches the fed token's projected embedding
         embeds = target.get_input_embeddings().weight  # [V, H_target]
         assistant.pre_projection.weight[:, : embeds.shape[1]] *= 1 + 30 * echo  # the fed token dominates
