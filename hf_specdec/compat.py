@@ -81,7 +81,7 @@ def gemma4_assistant_step(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # logits [B, 1, V], next previous-hidden state [B, 1, H_target]
     """One draft step of a `Gemma4AssistantForCausalLM` (or its unified twin) with explicit masks.
 
-    `Gemma4AssistantForCausalLM.forward` (transformers 5.24) builds its masks from a 2-D padding mask, taking a
+    `Gemma4AssistantForCausalLM.forward` (transformers 5.17-5.23) builds its masks from a 2-D padding mask, taking a
     sliding layer's window as the last columns of the keys, which is wrong once the keys have holes; this is the
     same forward (pre-projection, the shared-KV decoder, post-projection, the head) with the masks given."""
     embeds = assistant.pre_projection(inputs_embeds)

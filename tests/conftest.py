@@ -373,7 +373,7 @@ def make_gemma4(
 def make_gemma4_assistant(target: torch.nn.Module, seed: int = 1, echo: float = 1.0):
     """A tiny Gemma 4 assistant for `target`, leaning (by `echo`) towards drafting the token it is fed again.
 
-    Test-factory workaround: transformers 5.24's `Gemma4TextConfig.kv_sharing_modes` raises when every layer
+    Test-factory workaround: transformers 5.23's `Gemma4TextConfig.kv_sharing_modes` raises when every layer
     shares its keys (which a Gemma4AssistantConfig requires), so the assistant is built with that property patched
     for the duration of the constructor (all layers "reuse")."""
     from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4TextConfig
