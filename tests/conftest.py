@@ -348,16 +348,18 @@ def make_gemma4(
     shared_layers: int = 2,
     layers: int = 4,
     hidden: int = 64,
+    global_head_dim: int = 16,
 ):
-    """A tiny random Gemma 4 text model: sliding (window 4) and full layers, the last `shared_layers` sharing the
-    keys of earlier ones (`num_kv_shared_layers`), per-layer inputs. Its greedy output mixes repeats and changes."""
+    """A tiny random Gemma 4 text model: sliding (window 4, head dim 16) and full layers (`global_head_dim`), the
+    last `shared_layers` sharing the keys of earlier ones (`num_kv_shared_layers`), per-layer inputs. Its greedy
+    output mixes repeats and changes."""
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
     torch.manual_seed(seed)
     config = Gemma4TextConfig(
         **{**tiny_config_kwargs(vocab, layers, hidden), "initializer_range": initializer_range},
         head_dim=16,
-        global_head_dim=16,
+        global_head_dim=global_head_dim,
         sliding_window=4,
         layer_types=["sliding_attention", "full_attention"] * (layers // 2),
         num_kv_shared_layers=shared_layers,
@@ -370,7 +372,7 @@ def make_gemma4(
     return model.eval()
 
 
-def make_gemma4_assistant(target: torch.nn.Module, seed: int = 1, echo: float = 1.0):
+def make_gemma4_assistant(target: torch.nn.Module, seed: int = 1, echo: float = 1.0, global_head_dim: int = 16):
     """A tiny Gemma 4 assistant for `target`, leaning (by `echo`) towards drafting the token it is fed again.
 
     Test-factory workaround: transformers 5.23's `Gemma4TextConfig.kv_sharing_modes` raises when every layer
@@ -381,7 +383,7 @@ def make_gemma4_assistant(target: torch.nn.Module, seed: int = 1, echo: float = 
     text = Gemma4TextConfig(
         **{**tiny_config_kwargs(target.config.vocab_size, 2, 32), "initializer_range": 0.05},
         head_dim=16,
-        global_head_dim=16,
+        global_head_dim=global_head_dim,  # the target's full layers' head dim
         sliding_window=target.config.sliding_window,
         layer_types=["sliding_attention", "full_attention"],
         num_kv_shared_layers=2,

@@ -92,6 +92,27 @@ def test_greedy_matches_generate_and_transformers_assistant(gemma4, batch_size, 
     assert checked > 0
 
 
+def test_full_layers_with_their_own_head_dim(monkeypatch) -> None:
+    """Real Gemma 4 full-attention layers have wider heads than sliding ones: each type's keys go to its layers."""
+    target = make_gemma4(seed=5, global_head_dim=32)
+    assistant = make_gemma4_assistant(target, echo=0.7, global_head_dim=32)
+    inputs = make_prompts(3, seed=5, repetitive=False)
+    expected = target.generate(**inputs, max_new_tokens=12, do_sample=False)
+    steps = record_drafts(monkeypatch)
+    spec = hf_specdec.SpecDecoder(draft_model=assistant, num_speculative_tokens=3)
+    assert torch.equal(spec_generate(target, inputs, spec, max_new_tokens=12, do_sample=False), expected)
+    for token_ids, lengths, pad_lengths, drafts in steps[1::2]:
+        for i in range(token_ids.shape[0]):
+            num = int((drafts[i] >= 0).sum())
+            if num:
+                row = token_ids[i, pad_lengths[i] : lengths[i]]
+                assert drafts[i, :num].tolist() == reference_drafts(target, assistant, row, num)
+    with pytest.raises(ValueError, match="full_attention layers expect keys of 2 heads x 16"):
+        spec_generate(
+            target, inputs, hf_specdec.SpecDecoder(draft_model=make_gemma4_assistant(target)), max_new_tokens=2
+        )
+
+
 def test_batch_one_equals_transformers_route_and_plain(gemma4, monkeypatch) -> None:
     from transformers.generation import candidate_generator
 
