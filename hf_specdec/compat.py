@@ -10,7 +10,10 @@ import weakref
 from collections.abc import Callable
 
 import torch
-from transformers import CompileConfig, DynamicCache, GenerationConfig, PreTrainedModel, StaticCache
+from transformers import CompileConfig, DynamicCache, GenerationConfig, PreTrainedModel, StaticCache, cache_utils
+
+#: The cache layer of layers that keep no cache (Gemma 4's KV-shared layers); None on transformers without it.
+DUMMY_LAYER = getattr(cache_utils, "DummyLayer", None)
 
 #: model -> ((compile settings), its compiled __call__ without CUDA graphs), for the captured speculative step.
 _UNGRAPHED_CALLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -109,3 +112,31 @@ def is_recurrent_layer(layer: object) -> bool:
 
     mixin = getattr(cache_utils, "LinearAttentionCacheLayerMixin", None)
     return mixin is not None and isinstance(layer, mixin)
+
+
+def gemma4_assistant_step(
+    assistant: PreTrainedModel,
+    inputs_embeds: torch.Tensor,  # [B, 1, 2 * H_target] the token's target embedding and the previous hidden state
+    position_ids: torch.Tensor,  # [B, 1]
+    masks: dict[str, torch.Tensor],  # layer type -> [B, 1, 1, W] explicit mask over the shared keys
+    shared_kv_states: dict[str, tuple[torch.Tensor, torch.Tensor]],  # layer type -> keys, values [B, h, W, D]
+) -> tuple[torch.Tensor, torch.Tensor]:  # logits [B, 1, V], next previous-hidden state [B, 1, H_target]
+    """One draft step of a `Gemma4AssistantForCausalLM` (or its unified twin) with explicit masks.
+
+    `Gemma4AssistantForCausalLM.forward` (transformers 5.17-5.23) builds its masks from a 2-D padding mask, taking a
+    sliding layer's window as the last columns of the keys, which is wrong once the keys have holes; this is the
+    same forward (pre-projection, the shared-KV decoder, post-projection, the head) with the masks given."""
+    embeds = assistant.pre_projection(inputs_embeds)
+    outputs = assistant.model(
+        inputs_embeds=embeds,
+        attention_mask=masks,
+        position_ids=position_ids,
+        shared_kv_states=shared_kv_states,
+        use_cache=False,
+    )
+    hidden = outputs.last_hidden_state  # [B, 1, H_assistant]
+    if assistant.config.use_ordered_embeddings:  # per row: the masked head fills with its input's minimum
+        logits = torch.cat([assistant.masked_embedding(h[None], assistant.lm_head.weight) for h in hidden])
+    else:
+        logits = assistant.lm_head(hidden)
+    return logits, assistant.post_projection(hidden)

@@ -12,7 +12,9 @@ from typing import Any
 
 from hf_specdec.metrics import SpecDecodeStats
 
-METHODS = ("draft", "ngram", "mtp", "early_exit")
+METHODS = ("draft", "ngram", "mtp", "early_exit", "gemma4_assistant", "dflash")
+#: Methods that draft with the model passed as `draft_model` (a causal LM, a Gemma 4 assistant, a DFlash drafter).
+DRAFT_MODEL_METHODS = ("draft", "gemma4_assistant", "dflash")
 MAX_SPECULATIVE_TOKENS = 32
 SCHEDULES = ("constant", "heuristic", "heuristic_transient", "adaptive")
 
@@ -26,11 +28,16 @@ class SpecDecoder:
             `"draft"` (a smaller causal LM sharing the target's tokenizer), `"ngram"` (prompt lookup in
             the row's own tokens) or `"mtp"` (the target's own multi-token-prediction layers, for models whose
             config has `num_mtp_layers`) or `"early_exit"` (LayerSkip self-speculation: the target's first
-            `early_exit_layers` layers and its LM head draft; HF's `assistant_early_exit`). Defaults to `"draft"`
-            when `draft_model` is given, `"early_exit"` when `early_exit_layers` is, else `"ngram"`.
+            `early_exit_layers` layers and its LM head draft; HF's `assistant_early_exit`) or `"gemma4_assistant"`
+            (a `Gemma4AssistantForCausalLM` as `draft_model`, reading the target's keys and values) or `"dflash"`
+            (a DFlash block drafter as `draft_model`, fed the target's hidden states; HF's
+            `speculation_type="dflash"`). Defaults to `"gemma4_assistant"` when `draft_model` is a Gemma 4
+            assistant, `"draft"` when it is another model, `"early_exit"` when `early_exit_layers` is given, else
+            `"ngram"`.
         draft_model (`PreTrainedModel`, *optional*):
             The draft model for `method="draft"`. It must have the target's vocabulary and sit on the
-            target's device.
+            target's device. For `method="gemma4_assistant"` the `Gemma4AssistantForCausalLM` (or its unified
+            twin) of a Gemma 4 target; for `method="dflash"` the DFlash drafter (`MuseGlimmerAssistantModel`).
         draft_tokenizer (`PreTrainedTokenizerBase`, *optional*):
             The draft model's tokenizer when it differs from the target's (HF's `assistant_tokenizer`: universal
             assisted generation). Drafts are translated through text; the target's tokenizer must be given too
@@ -106,21 +113,23 @@ class SpecDecoder:
     def __post_init__(self) -> None:
         if self.method is None:
             self.method = "draft" if self.draft_model is not None else "ngram"
+            if type(self.draft_model).__name__.startswith(("Gemma4Assistant", "Gemma4UnifiedAssistant")):
+                self.method = "gemma4_assistant"
             if self.draft_model is None and self.early_exit_layers is not None:
                 self.method = "early_exit"
         if self.method not in METHODS:
             raise ValueError(f"SpecDecoder(method={self.method!r}) is not a known method: pass one of {METHODS}.")
-        if self.method == "draft" and self.draft_model is None:
+        if self.method in DRAFT_MODEL_METHODS and self.draft_model is None:
             raise ValueError(
-                "SpecDecoder(method='draft') needs a draft model: pass draft_model=AutoModelForCausalLM..., "
-                "or use method='ngram' for prompt lookup without a draft."
+                f"SpecDecoder(method={self.method!r}) needs a draft model: pass draft_model=<the draft or assistant "
+                "model>, or use method='ngram' for prompt lookup without a draft."
             )
         if self.method != "mtp" and self.mtp_model is not None:
             raise ValueError(
                 f"SpecDecoder(method={self.method!r}) was also given an mtp_model, which only method='mtp' uses: "
                 "drop mtp_model, or use method='mtp'."
             )
-        if self.method != "draft" and self.draft_model is not None:
+        if self.method not in DRAFT_MODEL_METHODS and self.draft_model is not None:
             raise ValueError(
                 f"SpecDecoder(method={self.method!r}) was also given a draft_model, which that method would ignore: "
                 "drop draft_model, or use method='draft'."

@@ -17,6 +17,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from hf_specdec.cache import CacheView
+from hf_specdec.compat import DUMMY_LAYER
 
 
 def check_continuation_cache(cache: object, input_ids: torch.Tensor) -> int:
@@ -29,20 +30,21 @@ def check_continuation_cache(cache: object, input_ids: torch.Tensor) -> int:
     if getattr(cache, "offloading", False):
         raise NotImplementedError("hf_specdec does not continue an offloaded DynamicCache: pass DynamicCache().")
     for i, layer in enumerate(cache.layers):
-        if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer):
+        if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer, DUMMY_LAYER):
             raise NotImplementedError(
                 f"Layer {i} of the past_key_values is a {type(layer).__name__}; hf_specdec continues caches of "
                 "DynamicLayer / DynamicSlidingWindowLayer layers only: generate without speculation for this model."
             )
+    layers = _kv_layers(cache)
     past = cache.get_seq_length()
     if past == 0:
         return 0
-    if any(not layer.is_initialized for layer in cache.layers):
+    if any(not layer.is_initialized for layer in layers):
         raise ValueError(
             "The past_key_values has layers that were never filled: pass the cache an earlier call filled."
         )
     batch_size, width = input_ids.shape
-    rows = {layer.keys.shape[0] for layer in cache.layers}
+    rows = {layer.keys.shape[0] for layer in layers}
     if rows != {batch_size}:
         raise ValueError(
             f"The past_key_values holds {', '.join(map(str, sorted(rows)))} rows but input_ids has {batch_size}: continue a cache with the "
@@ -54,6 +56,11 @@ def check_continuation_cache(cache: object, input_ids: torch.Tensor) -> int:
             "conversation so far (the earlier output plus the new turn) as input_ids, as plain generate expects."
         )
     return past
+
+
+def _kv_layers(cache: DynamicCache) -> list:
+    """The layers that hold keys and values (not the DummyLayers of KV-shared layers, which come last)."""
+    return [layer for layer in cache.layers if DUMMY_LAYER is None or not isinstance(layer, DUMMY_LAYER)]
 
 
 @dataclass
@@ -79,7 +86,7 @@ class CacheHandoff:
         past = self.past_length
         if past == 0:
             return
-        for layer_idx, layer in enumerate(self.cache.layers):
+        for layer_idx, layer in enumerate(_kv_layers(self.cache)):
             keys, values = layer.keys, layer.values  # [B, H, n, D]: a sliding layer keeps only its last n columns
             missing = past - keys.shape[2]
             if missing:
@@ -112,7 +119,8 @@ class CacheHandoff:
         aligned = [(_align(k, column_index, width), _align(v, column_index, width)) for k, v in layers]
         if bool((cached < width).any()):  # rows that finished early: feed their EOS and padding, as plain decoding does
             aligned = _feed_rest(model, sequences, self.pad_lengths, cached, aligned, width)
-        self.cache.layers = [_filled_like(self.cache, i, k, v) for i, (k, v) in enumerate(aligned)]
+        shared = self.cache.layers[len(aligned) :]  # KV-shared layers' DummyLayers stay as they are
+        self.cache.layers = [_filled_like(self.cache, i, k, v) for i, (k, v) in enumerate(aligned)] + shared
         return self.cache
 
 

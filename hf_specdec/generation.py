@@ -91,10 +91,10 @@ def generate(
     spec = _check_spec_decoder(spec_decoder)
     check_supported_cache(model)
     _check_call(model, input_ids, generation_config, model_kwargs)
-    if spec.draft_model is not None:
+    if spec.draft_model is not None and spec.method == "draft":
         check_supported_cache(spec.draft_model, role="draft", needs_positions=not model.config.is_encoder_decoder)
     _check_alibi_columns(model, spec, input_ids, generation_config, model_kwargs)
-    check_speculation_type(getattr(generation_config, "speculation_type", None))
+    check_speculation_type(getattr(generation_config, "speculation_type", None), spec)
     check_recurrent_call(model, spec, generation_config, model_kwargs)
     streamer = spec_streamer if spec_streamer is not None else spec.streamer
     tokenizer = spec_tokenizer if spec_tokenizer is not None else spec.tokenizer
@@ -195,8 +195,10 @@ def static_plan(
     unsupported = None
     if model.config.is_encoder_decoder:
         unsupported = f"an encoder-decoder target ({type(model).__name__})"
-    elif spec.method == "early_exit" or spec.draft_tokenizer is not None:
-        unsupported = "early-exit drafts" if spec.method == "early_exit" else "a draft with another tokenizer"
+    elif spec.method in ("early_exit", "gemma4_assistant", "dflash") or spec.draft_tokenizer is not None:
+        unsupported = {"early_exit": "early-exit drafts", "gemma4_assistant": "Gemma 4 assistants"}.get(
+            spec.method, "DFlash drafters" if spec.method == "dflash" else "a draft with another tokenizer"
+        )
     elif cache is not None and int(cache.get_seq_length()) > 0:
         unsupported = "continuing a filled past_key_values"
     if unsupported:
@@ -242,11 +244,11 @@ def build_handoff(
             return None
         cache = DynamicCache(config=model.config.get_text_config(decoder=True))
     past = check_continuation_cache(cache, input_ids)
-    if past and spec.method == "mtp":
+    if past and spec.method in ("mtp", "gemma4_assistant", "dflash"):
         raise NotImplementedError(
-            "method='mtp' (use_mtp=True) cannot continue a filled past_key_values (its layers need the target's hidden "
-            "states of every earlier token): pass the full conversation without past_key_values, or use a draft "
-            "model or prompt lookup."
+            f"method={spec.method!r} cannot continue a filled past_key_values (it drafts from the target's states "
+            "of the forward that filled it, which hf_specdec did not see): pass the full conversation without "
+            "past_key_values, or use a draft model or prompt lookup."
         )
     # generate creates a cache of its own when the caller passed none; fill it only when the output returns it.
     if not past and not config.return_dict_in_generate and not getattr(cache, "_is_user_defined", True):
@@ -293,6 +295,19 @@ def build_proposer(
         inner = EarlyExitProposer(
             model, spec.early_exit_layers, k, ConfidenceThreshold(threshold) if threshold else None
         )
+    elif spec.method in ("gemma4_assistant", "dflash"):
+        if encoder is not None:
+            raise NotImplementedError(
+                f"method={spec.method!r} drafts for decoder-only targets only, not for {type(model).__name__}."
+            )
+        if spec.method == "gemma4_assistant":
+            from hf_specdec.proposers.gemma4_assistant import Gemma4AssistantProposer
+
+            inner = Gemma4AssistantProposer(model, spec.draft_model, k)
+        else:
+            from hf_specdec.proposers.dflash import DFlashProposer
+
+            inner = DFlashProposer(model, spec.draft_model, k)
     elif spec.method == "mtp":
         from hf_specdec.proposers.mtp import MTPProposer, resolve_mtp_model
 
@@ -313,8 +328,8 @@ def _build_schedule(
         from hf_specdec.adaptive import AdaptiveSchedule, model_serial
 
         key = f"ngram:{spec.prompt_lookup_min}-{spec.prompt_lookup_max}"
-        if spec.method == "draft":
-            key = f"draft:{model_serial(spec.draft_model)}"
+        if spec.draft_model is not None:
+            key = f"{spec.method}:{model_serial(spec.draft_model)}"
         elif spec.method != "ngram":
             key = "mtp" if spec.method == "mtp" else f"exit:{spec.early_exit_layers}"
         return AdaptiveSchedule(
@@ -345,7 +360,7 @@ def _draft_share(spec: SpecDecoder, model: PreTrainedModel) -> float:
         return spec.early_exit_layers / layers
     if spec.method == "mtp":
         return 1 / layers
-    if spec.method != "draft":
+    if spec.draft_model is None:
         return 0.0
     return min(1.0, sum(p.numel() for p in spec.draft_model.parameters()) / sum(p.numel() for p in model.parameters()))
 
@@ -368,14 +383,21 @@ def row_seeds(seed: int | list[int] | None, batch_size: int) -> torch.Tensor:  #
     return torch.tensor(seed, dtype=torch.long)
 
 
-def check_speculation_type(speculation_type: Any) -> None:
-    """Raise for transformers' `speculation_type` values (DFlash) that hf_specdec does not run."""
-    if speculation_type is not None:
-        raise NotImplementedError(
-            f"speculation_type={speculation_type!r} (DFlash block drafting) is not supported by hf_specdec yet. "
-            "Supported: a causal LM draft (same or another tokenizer), prompt lookup, MTP layers, early exit; for "
-            "DFlash call hf_specdec.uninstall() and use transformers' own (batch 1) assisted decoding."
+def check_speculation_type(speculation_type: Any, spec: SpecDecoder | None = None) -> None:
+    """Raise for transformers' `speculation_type` values that this call does not run (only "dflash", as
+    `SpecDecoder(method="dflash")`)."""
+    if speculation_type is None or (speculation_type == "dflash" and (spec is None or spec.method == "dflash")):
+        return
+    if speculation_type == "dflash":
+        raise ValueError(
+            f"speculation_type='dflash' was set but the SpecDecoder has method={spec.method!r}: pass "
+            "SpecDecoder(method='dflash', draft_model=<the DFlash drafter>), or drop speculation_type."
         )
+    raise NotImplementedError(
+        f"speculation_type={speculation_type!r} is not supported by hf_specdec (it runs speculation_type='dflash' "
+        "with a DFlash drafter as assistant_model): drop speculation_type, or call hf_specdec.uninstall() and use "
+        "transformers' own assisted decoding."
+    )
 
 
 def _check_spec_decoder(spec_decoder: Any) -> SpecDecoder:

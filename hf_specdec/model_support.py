@@ -22,8 +22,11 @@ import inspect
 from transformers import PreTrainedModel, cache_utils
 
 #: Cache layer types (transformers' `layer_types` names) whose rollback and masks `hf_specdec.cache` implements
-#: (`linear_attention`: the recurrent layers of hybrids, rolled back by `hf_specdec.recurrent`).
-SUPPORTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "linear_attention"})
+#: (`linear_attention`: the recurrent layers of hybrids, rolled back by `hf_specdec.recurrent`; "dummy": a layer that
+#: keeps no cache, as Gemma 4's KV-shared layers reuse an earlier layer's keys: nothing to roll back).
+SUPPORTED_LAYER_TYPES = frozenset(
+    {"full_attention", "sliding_attention", "chunked_attention", "linear_attention", "dummy"}
+)
 
 #: The attention implementations that take the explicit 4-D masks with holes this package builds.
 SUPPORTED_ATTENTION = ("sdpa", "eager")

@@ -1,7 +1,8 @@
 """`install()` / `uninstall()`: the opt-in hook that routes transformers' own speculation arguments to hf_specdec.
 
 `install()` wraps `GenerationMixin.generate` so that `spec_decoder=`, `assistant_model=`, `prompt_lookup_num_tokens=`,
-`use_mtp=` and `assistant_early_exit=` run through `hf_specdec.generate` (with `streamer`, `tokenizer` and `stop_strings` forwarded, which
+`use_mtp=`, `assistant_early_exit=` (and `assistant_model=` with a Gemma 4 assistant or with
+`speculation_type="dflash"`) run through `hf_specdec.generate` (with `streamer`, `tokenizer` and `stop_strings` forwarded, which
 transformers does not pass to custom decoders); every other call is left exactly as it is. `uninstall()` puts the
 original back.
 """
@@ -15,6 +16,7 @@ from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 
 from hf_specdec.config import MAX_SPECULATIVE_TOKENS, SpecDecoder
 from hf_specdec.generation import check_speculation_type, generate
+from hf_specdec.proposers.gemma4_assistant import is_gemma4_assistant
 
 _original_generate = None
 
@@ -87,7 +89,8 @@ def _spec_from_kwargs(model: PreTrainedModel, kwargs: dict[str, Any]) -> SpecDec
             "assistant_tokenizer= was passed without tokenizer=: a draft with another tokenizer needs the target's "
             "tokenizer too (tokenizer=...), as in transformers."
         )
-    check_speculation_type(kwargs.get("speculation_type") or getattr(config, "speculation_type", None))
+    speculation_type = kwargs.get("speculation_type") or getattr(config, "speculation_type", None)
+    check_speculation_type(speculation_type)
     if spec is not None:
         if assistant is not None or lookup or use_mtp or early_exit is not None:
             raise ValueError(
@@ -108,6 +111,8 @@ def _spec_from_kwargs(model: PreTrainedModel, kwargs: dict[str, Any]) -> SpecDec
         schedule = "adaptive" if k is None else "constant"
         k = min(k or int(check_mtp_target(model)), MAX_SPECULATIVE_TOKENS)
         return SpecDecoder(method="mtp", num_speculative_tokens=k, num_speculative_tokens_schedule=schedule)
+    if speculation_type == "dflash" or (assistant is not None and is_gemma4_assistant(assistant)):
+        return _drafter_spec(kwargs, config, assistant, speculation_type)
     if assistant is not None:
         # HF's universal assisted generation: another tokenizer when both tokenizers are given (drafts go through
         # text; no confidence threshold, as the draft's probabilities are over another vocabulary).
@@ -133,6 +138,41 @@ def _spec_from_kwargs(model: PreTrainedModel, kwargs: dict[str, Any]) -> SpecDec
             num_speculative_tokens_schedule=named or "adaptive",
         )
     return None
+
+
+def _drafter_spec(
+    kwargs: dict[str, Any], config: GenerationConfig, assistant: PreTrainedModel | None, speculation_type: Any
+) -> SpecDecoder:
+    """HF's two drafters fed by the target's own states: a Gemma 4 assistant (`assistant_model=`, transformers'
+    `SinglePositionMultiTokenCandidateGenerator`) and DFlash (`speculation_type="dflash"` with `assistant_model=`,
+    its `DFlashTokenCandidateGenerator`). HF checks the Gemma 4 assistant first; neither reads a confidence threshold."""
+    if assistant is None:
+        raise ValueError(
+            "speculation_type='dflash' needs the DFlash drafter as assistant_model=: "
+            "model.generate(..., assistant_model=drafter, speculation_type='dflash')."
+        )
+    if kwargs.get("assistant_confidence_threshold"):
+        raise ValueError(
+            f"assistant_confidence_threshold={kwargs['assistant_confidence_threshold']!r} does not apply to a "
+            f"{type(assistant).__name__} (transformers' own route ignores it too): drop it."
+        )
+    kwargs.pop("assistant_confidence_threshold", None)
+    if is_gemma4_assistant(assistant):
+        schedule = _assistant_schedule(kwargs, config, assistant)
+        schedule.pop("draft_confidence_threshold", None)
+        return SpecDecoder(method="gemma4_assistant", draft_model=assistant, **schedule)
+    # DFlash drafts a block of block_size - 1 tokens every step (no schedule in HF): here k <= block_size - 1,
+    # num_assistant_tokens= asking for fewer.
+    from hf_specdec.proposers.dflash import check_dflash_drafter
+
+    block = check_dflash_drafter(assistant) - 1
+    k = _check_positive("num_assistant_tokens", kwargs.pop("num_assistant_tokens", None))
+    for name in ("num_assistant_tokens_schedule", "speculation_type"):
+        kwargs.pop(name, None)
+    k = min(k or block, block, MAX_SPECULATIVE_TOKENS)
+    return SpecDecoder(
+        method="dflash", draft_model=assistant, num_speculative_tokens=k, num_speculative_tokens_schedule="constant"
+    )
 
 
 def _check_positive(name: str, value: Any) -> int | None:

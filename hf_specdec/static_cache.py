@@ -88,7 +88,7 @@ class StaticCacheView(CacheView):
         self.column_index.index_copy_(1, write, torch.where(real, index, -1))
         mask = self._attention_mask(torch.where(valid, index, -1), self.column_index, write)
         # The write offset of every layer: one fused device copy (no host sync, one launch for all layers).
-        counters = [layer.cumulative_length for layer in self.cache.layers if getattr(layer, "is_initialized", False)]
+        counters = [layer.cumulative_length for layer in self.cache.layers if _holds_keys(layer)]
         if counters:
             torch._foreach_copy_(counters, [self.offset] * len(counters))
         call = self.model if not self.prefilled or self.compiled_call is None else self.compiled_call
@@ -126,7 +126,7 @@ class StaticCacheView(CacheView):
         order = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices  # [B, L] real columns first
         self.column_index.copy_(self.column_index.gather(1, order))
         for layer in self.cache.layers:
-            if not getattr(layer, "is_initialized", False):
+            if not _holds_keys(layer):
                 continue
             for states in (layer.keys, layer.values):
                 index = order[:, None, :, None].expand(-1, states.shape[1], -1, states.shape[3])
@@ -142,3 +142,8 @@ class StaticCacheView(CacheView):
 
     def select_rows(self, keep: torch.Tensor) -> None:
         raise NotImplementedError("rows never leave a static batch: they stay, masked, until the call ends")
+
+
+def _holds_keys(layer: object) -> bool:
+    """Whether a cache layer holds keys (not before its first write, nor a KV-shared layer's `DummyLayer`)."""
+    return bool(getattr(layer, "is_initialized", False)) and getattr(layer, "keys", None) is not None

@@ -339,3 +339,97 @@ def make_word_tokenizer(words: list[str], padding_side: str = "left"):
         padding_side=padding_side,
         clean_up_tokenization_spaces=False,
     )
+
+
+def make_gemma4(
+    seed: int = 0,
+    vocab: int = VOCAB,
+    initializer_range: float = 0.1,
+    shared_layers: int = 2,
+    layers: int = 4,
+    hidden: int = 64,
+    global_head_dim: int = 16,
+):
+    """A tiny random Gemma 4 text model: sliding (window 4, head dim 16) and full layers (`global_head_dim`), the
+    last `shared_layers` sharing the keys of earlier ones (`num_kv_shared_layers`), per-layer inputs. Its greedy
+    output mixes repeats and changes."""
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    torch.manual_seed(seed)
+    config = Gemma4TextConfig(
+        **{**tiny_config_kwargs(vocab, layers, hidden), "initializer_range": initializer_range},
+        head_dim=16,
+        global_head_dim=global_head_dim,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"] * (layers // 2),
+        num_kv_shared_layers=shared_layers,
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=vocab,
+    )
+    model = Gemma4ForCausalLM._from_config(config, attn_implementation="sdpa")
+    model.generation_config.pad_token_id = PAD_ID
+    model.generation_config.eos_token_id = EOS_ID
+    return model.eval()
+
+
+def make_gemma4_assistant(target: torch.nn.Module, seed: int = 1, echo: float = 1.0, global_head_dim: int = 16):
+    """A tiny Gemma 4 assistant for `target`, leaning (by `echo`) towards drafting the token it is fed again.
+
+    Test-factory workaround: transformers 5.23's `Gemma4TextConfig.kv_sharing_modes` raises when every layer
+    shares its keys (which a Gemma4AssistantConfig requires), so the assistant is built with that property patched
+    for the duration of the constructor (all layers "reuse")."""
+    from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4TextConfig
+
+    text = Gemma4TextConfig(
+        **{**tiny_config_kwargs(target.config.vocab_size, 2, 32), "initializer_range": 0.05},
+        head_dim=16,
+        global_head_dim=global_head_dim,  # the target's full layers' head dim
+        sliding_window=target.config.sliding_window,
+        layer_types=["sliding_attention", "full_attention"],
+        num_kv_shared_layers=2,
+        hidden_size_per_layer_input=0,
+        vocab_size_per_layer_input=0,
+    )
+    config = Gemma4AssistantConfig(text_config=text, backbone_hidden_size=target.config.hidden_size)
+    original = getattr(Gemma4TextConfig, "kv_sharing_modes", None)  # a property since transformers 5.2x
+
+    def all_shared(self):  # noqa: ANN001, ANN202
+        if self.num_kv_shared_layers == self.num_hidden_layers:
+            return ["reuse"] * self.num_hidden_layers
+        return original.fget(self)
+
+    torch.manual_seed(seed)
+    if original is not None:
+        Gemma4TextConfig.kv_sharing_modes = property(all_shared)
+    try:
+        assistant = Gemma4AssistantForCausalLM._from_config(config, attn_implementation="sdpa")
+    finally:
+        if original is not None:
+            Gemma4TextConfig.kv_sharing_modes = original
+    with torch.no_grad():  # the head scores each token by how well it matches the fed token's projected embedding
+        embeds = target.get_input_embeddings().weight  # [V, H_target]
+        assistant.pre_projection.weight[:, : embeds.shape[1]] *= 1 + 30 * echo  # the fed token dominates
+        projected = embeds @ assistant.pre_projection.weight[:, : embeds.shape[1]].T  # [V, H]
+        head = torch.nn.functional.normalize(projected, dim=-1) * 8.0
+        assistant.lm_head.weight.mul_(1 - echo).add_(echo * head)
+    return assistant.eval()
+
+
+def make_dflash_drafter(target: torch.nn.Module, seed: int = 1, block_size: int = 5, sliding_window: int = 64):
+    """A tiny random DFlash drafter (`MuseGlimmerAssistantModel`) for `target`: a sliding and a full layer, reading
+    the target's first and last layers' states. Keep sliding_window above the tests' lengths to compare with
+    transformers' own forward (without a cache, its bidirectional window does not offset the block's positions)."""
+    from transformers import MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
+
+    text = target.config.get_text_config()
+    config = MuseGlimmerAssistantConfig(
+        **tiny_config_kwargs(text.vocab_size, 2, text.hidden_size),
+        head_dim=16,
+        sliding_window=sliding_window,
+        layer_types=["sliding_attention", "full_attention"],
+        block_size=block_size,
+        mask_token_id=3,
+        target_layer_ids=[0, text.num_hidden_layers - 1],
+    )
+    torch.manual_seed(seed)
+    return MuseGlimmerAssistantModel._from_config(config, attn_implementation="sdpa").eval()

@@ -332,6 +332,21 @@ def test_a_cross_tokenizer_hybrid_draft_is_refused(monkeypatch, qwen35):
         spec_generate(target, make_prompts(2), spec, max_new_tokens=5)
 
 
+def test_an_unverified_hybrid_family_is_refused(monkeypatch):
+    """Nemotron-H passes the layer checks (Mamba2, attention, MLP-only layers) but differed from plain decoding in
+    a batch of 8: a hybrid family is trusted only once tested."""
+    monkeypatch.setitem(CONFIGS, "nemotron_h", dict(
+        hybrid_override_pattern="M*M-", mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=1,
+        chunk_size=16, expand=2,
+    ))  # fmt: skip
+    model = make_hybrid("nemotron_h")
+    with (
+        no_model_work(model),
+        pytest.raises(NotImplementedError, match=r"NemotronHForCausalLM \('nemotron_h'\).*verified"),
+    ):
+        spec_generate(model, make_prompts(2), hf_specdec.SpecDecoder(method="ngram"), max_new_tokens=5)
+
+
 def test_bailing_hybrid_mtp_is_refused(monkeypatch):
     model = make_hybrid("bailing_hybrid", num_mtp_layers=1)
     with no_model_work(model), pytest.raises(NotImplementedError, match="BailingHybridForCausalLM.*method='mtp'"):

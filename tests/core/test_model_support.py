@@ -18,6 +18,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 import hf_specdec
 from hf_specdec.model_support import check_alibi_call, check_supported_cache
+from hf_specdec.recurrent import check_recurrent_call
 
 SHRINK = {
     "vocab_size": 128,
@@ -141,6 +142,7 @@ def sweep_one(model_type: str, class_name: str) -> tuple[str, str]:
     try:
         check_supported_cache(model)
         check_alibi_call(model, "target", len(inputs["input_ids"]), not inputs["attention_mask"].all(), static=False)
+        check_recurrent_call(model, hf_specdec.SpecDecoder(method="ngram"), model.generation_config, {})
     except NotImplementedError as error:
         # A refusal must also come from the generate entry, before any model work.
         try:

@@ -1,0 +1,95 @@
+"""`VerifyCapture`: what the target's latest forward (a verify, or the prefill) computed, read through hooks.
+
+Proposers that draft from the target's own states (Gemma 4 assistants read its keys and values and its last
+hidden state; DFlash reads the hidden states of some decoder layers) take them from the forward the loop runs
+anyway, never from an extra one. Hooks on the target's decoder record the forward's attention masks (the
+explicit masks with holes that `hf_specdec.cache.CacheView` builds, or None for one row without holes), its
+cache object, its input width and its outputs; they live only while the `generate` call runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+
+class VerifyCapture:
+    """Records, for the target's latest forward, its masks, cache, width, last hidden state and chosen layers' outputs.
+
+    Args:
+        target (`PreTrainedModel`): The model being decoded; hooks go on `target.get_decoder()`.
+        layer_ids (`list[int]`): Decoder layers whose outputs to keep (DFlash's `target_layer_ids`).
+        keep_last_hidden (`bool`): Keep the decoder's output (after its final norm).
+        cache_layers (`list[int]`): Cache layers whose keys and values to keep as the forward left them (before
+            the loop rolls the cache back).
+    """
+
+    def __init__(
+        self,
+        target: PreTrainedModel,
+        layer_ids: list[int] = (),
+        keep_last_hidden: bool = True,
+        cache_layers: list[int] = (),
+    ) -> None:
+        self.decoder = target.get_decoder()
+        self.layer_ids = list(layer_ids)
+        self.keep_last_hidden = keep_last_hidden
+        self.attention_mask: Any = None  # dict of [B, 1, w, W] masks (bool or additive), a tensor, or None
+        self.cache: Any = None  # the forward's Cache object (its layers hold the forward's keys after it)
+        self.width = 0  # w: slots the forward fed per row
+        self.last_hidden: torch.Tensor | None = None  # [B, w', H] (w' = w, or fewer when logits_to_keep sliced)
+        self.layer_outputs: dict[int, torch.Tensor] = {}  # layer id -> [B, w, H]
+        self.cache_layers = list(cache_layers)
+        self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # cache layer -> keys, values [B, h, W, D]
+        self.count = 0  # forwards seen
+        self._handles: list[Any] = []
+
+    def attach(self) -> None:
+        self.detach()
+        self._handles.append(self.decoder.register_forward_pre_hook(self._before, with_kwargs=True))
+        if self.keep_last_hidden or self.cache_layers:
+            self._handles.append(self.decoder.register_forward_hook(self._after))
+        for layer_id in self.layer_ids:
+            hook = self._layer_hook(layer_id)
+            self._handles.append(self.decoder.layers[layer_id].register_forward_hook(hook))
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _before(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        self.attention_mask = kwargs.get("attention_mask")
+        self.cache = kwargs.get("past_key_values")
+        fed = kwargs.get("input_ids")
+        if fed is None:
+            fed = kwargs.get("inputs_embeds")
+        if fed is None and args:
+            fed = args[0]
+        self.width = int(fed.shape[1]) if fed is not None else 0
+        self.layer_outputs = {}
+        self.count += 1
+
+    def _after(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        hidden = getattr(output, "last_hidden_state", None)
+        self.last_hidden = hidden if hidden is not None else output[0]
+        # Rollback replaces a layer's tensors (crop slices, compaction gathers) and never writes into them.
+        self.kv = {i: (self.cache.layers[i].keys, self.cache.layers[i].values) for i in self.cache_layers}
+
+    def _layer_hook(self, layer_id: int):  # noqa: ANN202
+        def keep(module: torch.nn.Module, args: tuple, output: Any) -> None:
+            self.layer_outputs[layer_id] = output if isinstance(output, torch.Tensor) else output[0]
+
+        return keep
+
+
+def allowed_keys(
+    mask: torch.Tensor,  # [B, 1, w, W] bool (True = may attend) or additive float (0 = may attend)
+    query_slot: torch.Tensor,  # [B] int64: the fed slot whose view to take, 0..w-1
+) -> torch.Tensor:  # [B, W] bool
+    """The keys one query of each row could attend to in a forward's explicit mask."""
+    rows = torch.arange(mask.shape[0], device=mask.device)
+    picked = mask[rows, 0, query_slot.to(mask.device)]  # [B, W]
+    return picked if picked.dtype == torch.bool else picked == 0
