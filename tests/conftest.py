@@ -433,3 +433,18 @@ def make_dflash_drafter(target: torch.nn.Module, seed: int = 1, block_size: int 
     )
     torch.manual_seed(seed)
     return MuseGlimmerAssistantModel._from_config(config, attn_implementation="sdpa").eval()
+
+
+def record_proposals(monkeypatch: pytest.MonkeyPatch, proposer_class: type) -> list[tuple[torch.Tensor, ...]]:
+    """Each `proposer_class.propose` call's (token rows [B, C], lengths [B], pad lengths [B], drafts [B, k])."""
+    steps = []
+    propose = proposer_class.propose
+
+    def recording(proposer, batch, max_draft_tokens, sampling):  # noqa: ANN001, ANN202
+        rows = batch.token_ids.clone()
+        proposal = propose(proposer, batch, max_draft_tokens, sampling)
+        steps.append((rows, batch.lengths.clone(), batch.pad_lengths.clone(), proposal.draft_token_ids))
+        return proposal
+
+    monkeypatch.setattr(proposer_class, "propose", recording)
+    return steps

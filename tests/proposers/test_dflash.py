@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from conftest import make_dflash_drafter, make_model, make_prompts, spec_generate
+from conftest import make_dflash_drafter, make_model, make_prompts, record_proposals, spec_generate
 from first_tokens_law import check_first_tokens, exact_joint_law
 
 import hf_specdec
@@ -51,20 +51,8 @@ def reference_drafts(target, drafter, tokens: torch.Tensor, k: int) -> list[int]
         return target.get_output_embeddings()(hidden[:, 1 : k + 1]).argmax(-1)[0].tolist()
 
 
-def record_drafts(
-    monkeypatch: pytest.MonkeyPatch,
-) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
-    steps = []
-    propose = DFlashProposer.propose
-
-    def recording(proposer, batch, max_draft_tokens, sampling):  # noqa: ANN001, ANN202
-        rows = batch.token_ids.clone()
-        proposal = propose(proposer, batch, max_draft_tokens, sampling)
-        steps.append((rows, batch.lengths.clone(), batch.pad_lengths.clone(), proposal.draft_token_ids))
-        return proposal
-
-    monkeypatch.setattr(DFlashProposer, "propose", recording)
-    return steps
+def record_drafts(monkeypatch: pytest.MonkeyPatch) -> list[tuple[torch.Tensor, ...]]:
+    return record_proposals(monkeypatch, DFlashProposer)
 
 
 @pytest.mark.parametrize("batch_size", [1, 3, 8])

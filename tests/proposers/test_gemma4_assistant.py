@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from conftest import make_gemma4, make_gemma4_assistant, make_prompts, spec_generate
+from conftest import make_gemma4, make_gemma4_assistant, make_prompts, record_proposals, spec_generate
 from first_tokens_law import check_first_tokens, exact_joint_law
 
 import hf_specdec
@@ -53,19 +53,8 @@ def reference_drafts(target, assistant, tokens: torch.Tensor, k: int) -> list[in
     return drafts
 
 
-def record_drafts(monkeypatch: pytest.MonkeyPatch) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Each proposal's (committed rows [B, C], lengths [B], drafts [B, k]), pads stripped later."""
-    steps = []
-    propose = Gemma4AssistantProposer.propose
-
-    def recording(proposer, batch, max_draft_tokens, sampling):  # noqa: ANN001, ANN202
-        rows = batch.token_ids.clone()
-        proposal = propose(proposer, batch, max_draft_tokens, sampling)
-        steps.append((rows, batch.lengths.clone(), batch.pad_lengths.clone(), proposal.draft_token_ids))
-        return proposal
-
-    monkeypatch.setattr(Gemma4AssistantProposer, "propose", recording)
-    return steps
+def record_drafts(monkeypatch: pytest.MonkeyPatch) -> list[tuple[torch.Tensor, ...]]:
+    return record_proposals(monkeypatch, Gemma4AssistantProposer)
 
 
 @pytest.mark.parametrize("batch_size", [1, 3, 8])
