@@ -188,6 +188,14 @@ CAPTURE_ENV = "HF_SPECDEC_CAPTURE_STEPS"
 STATIC_HOLE_ROOM = 64
 
 
+#: Drafting methods the static-cache path does not run, as its refusal names them.
+STATIC_UNSUPPORTED_METHODS = {
+    "early_exit": "early-exit drafts",
+    "gemma4_assistant": "Gemma 4 assistants",
+    "dflash": "DFlash drafters",
+}
+
+
 def static_plan(
     model: PreTrainedModel, spec: SpecDecoder, generation_config: GenerationConfig, cache: Any = None
 ) -> StaticPlan:
@@ -195,10 +203,8 @@ def static_plan(
     unsupported = None
     if model.config.is_encoder_decoder:
         unsupported = f"an encoder-decoder target ({type(model).__name__})"
-    elif spec.method in ("early_exit", "gemma4_assistant", "dflash") or spec.draft_tokenizer is not None:
-        unsupported = {"early_exit": "early-exit drafts", "gemma4_assistant": "Gemma 4 assistants"}.get(
-            spec.method, "DFlash drafters" if spec.method == "dflash" else "a draft with another tokenizer"
-        )
+    elif spec.method in STATIC_UNSUPPORTED_METHODS or spec.draft_tokenizer is not None:
+        unsupported = STATIC_UNSUPPORTED_METHODS.get(spec.method, "a draft with another tokenizer")
     elif cache is not None and int(cache.get_seq_length()) > 0:
         unsupported = "continuing a filled past_key_values"
     if unsupported:
