@@ -113,11 +113,18 @@ def check_recurrent_call(
             "cache_implementation='static': drop cache_implementation='static' (the default dynamic cache supports "
             "hybrid models)."
         )
-    if spec.method in ("mtp", "early_exit"):
+    if spec.method == "early_exit":
         raise NotImplementedError(
-            f"{name}; SpecDecoder(method={spec.method!r}) is not supported for hybrid models in hf_specdec yet "
+            f"{name}; SpecDecoder(method='early_exit') is not supported for hybrid models in hf_specdec yet "
             "(its draft would share the target's recurrent state): use method='draft' with a draft model, or "
             "method='ngram' (prompt lookup)."
+        )
+    mtp_layer_types = getattr(model.config.get_text_config(), "mtp_layer_types", None) or []
+    if spec.method == "mtp" and RECURRENT_LAYER_TYPE in mtp_layer_types:
+        raise NotImplementedError(
+            f"{name}, and its MTP layers are recurrent too (mtp_layer_types={list(mtp_layer_types)}): hf_specdec "
+            "drafts with attention MTP layers only (their caches roll back like the target's attention layers): "
+            "use method='draft' with a draft model, or method='ngram' (prompt lookup)."
         )
     if spec.draft_tokenizer is not None:
         raise NotImplementedError(
