@@ -107,12 +107,6 @@ def check_recurrent_call(
             f"transformers ({compat.transformers_version()}) lacks {missing}: upgrade transformers (5.23 or newer "
             "is tested), or generate without speculation."
         )
-    if generation_config.cache_implementation == "static":
-        raise NotImplementedError(
-            f"{name}; hf_specdec rolls their state back on the dynamic cache only, but this call asks for "
-            "cache_implementation='static': drop cache_implementation='static' (the default dynamic cache supports "
-            "hybrid models)."
-        )
     if spec.method in ("mtp", "early_exit"):
         raise NotImplementedError(
             f"{name}; SpecDecoder(method={spec.method!r}) is not supported for hybrid models in hf_specdec yet "
