@@ -11,6 +11,7 @@ refused before any model work. About 40 s on 2 shared cores (one torch thread).
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator
 
 import pytest
@@ -25,8 +26,10 @@ from hf_specdec import cache as cache_module
 from hf_specdec import compat
 from hf_specdec.decoding import SpeculativeLoop
 from hf_specdec.recurrent import recurrent_layer_indices
+from hf_specdec.static_cache import StaticCacheView
 
 NEW_TOKENS = 40
+STATIC_NEW_TOKENS = 24
 #: What this transformers lacks of the recurrent cache API (5.17 has no `Cache.get_conv_state`): hybrids are then
 #: refused, which is all this module tests there.
 MISSING_API = compat.missing_recurrent_cache_api()
@@ -113,7 +116,7 @@ def hybrid(request: pytest.FixtureRequest) -> tuple[torch.nn.Module, torch.nn.Mo
 
 
 def greedy(**kwargs) -> dict:
-    return dict(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, **kwargs)
+    return {"max_new_tokens": NEW_TOKENS, "do_sample": False, "eos_token_id": None, **kwargs}
 
 
 @pytest.mark.parametrize("batch_size", [1, 3, 8])
@@ -146,6 +149,42 @@ def test_hybrid_compacts_and_matches_plain(monkeypatch):
     spec = hf_specdec.SpecDecoder(draft_model=make_noisy_copy(target, 0.05), num_speculative_tokens=4)
     assert torch.equal(spec_generate(target, inputs, spec, **kwargs), target.generate(**inputs, **kwargs))
     assert compactions
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "bamba"])
+@pytest.mark.parametrize("batch_size", [1, 3, 8])
+def test_hybrid_static_cache_greedy_matches_plain(model_type, batch_size):
+    """`cache_implementation="static"`: plain static `generate` equals plain dynamic on these hybrids, and the
+    static speculative path (eager: hybrids are never compiled or captured) equals both, draft and n-gram, k 1 and 4."""
+    target = make_hybrid(model_type)
+    draft = make_noisy_copy(target, 0.02)
+    inputs = make_prompts(batch_size, seed=batch_size + 1)
+    kwargs = greedy(max_new_tokens=STATIC_NEW_TOKENS)
+    expected = target.generate(**inputs, **kwargs)
+    assert torch.equal(target.generate(**inputs, **kwargs, cache_implementation="static"), expected)
+    for method, k in itertools.product(("draft", "ngram"), (1, 4)):
+        spec_kwargs = {"draft_model": draft} if method == "draft" else {"method": "ngram"}
+        spec = hf_specdec.SpecDecoder(num_speculative_tokens=k, **spec_kwargs)
+        out = spec_generate(target, inputs, spec, **kwargs, cache_implementation="static")
+        assert torch.equal(out, expected), f"{model_type} B={batch_size} {method} k={k}"
+        stats = spec.last_stats
+        assert stats.num_graph_replays == 0
+        if method == "draft":  # rejections: recurrent states rolled back
+            assert stats.num_accepted_tokens < stats.num_draft_tokens, stats
+
+
+def test_hybrid_static_cache_compacts_in_place_and_matches_plain(monkeypatch):
+    """Little room for holes: the static attention columns compact in place (recurrent layers left alone)."""
+    from hf_specdec import generation
+
+    monkeypatch.setattr(generation, "STATIC_HOLE_ROOM", 8)
+    target = make_hybrid("granitemoehybrid")
+    inputs = make_prompts(4, seed=3, min_len=2, max_len=20)
+    kwargs = greedy(max_new_tokens=60)
+    expected = target.generate(**inputs, **kwargs)
+    spec = hf_specdec.SpecDecoder(draft_model=make_noisy_copy(target, 0.05), num_speculative_tokens=4)
+    assert torch.equal(spec_generate(target, inputs, spec, **kwargs, cache_implementation="static"), expected)
+    assert spec.last_stats.num_compactions > 0
 
 
 def test_a_smaller_hybrid_draft_and_a_hybrid_draft_for_an_attention_target():
@@ -202,10 +241,19 @@ def plain_states(model: torch.nn.Module, tokens: list[int]) -> DynamicCache:
     return cache
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5_text", "granitemoehybrid", "bailing_hybrid"])
-def test_recurrent_states_after_rejections_equal_plain_decoding(monkeypatch, model_type):
+@pytest.mark.parametrize(
+    ("model_type", "cache"),
+    [
+        ("qwen3_5_text", "dynamic"),
+        ("granitemoehybrid", "dynamic"),
+        ("bailing_hybrid", "dynamic"),
+        ("qwen3_5_text", "static"),
+        ("granitemoehybrid", "static"),
+    ],
+)
+def test_recurrent_states_after_rejections_equal_plain_decoding(monkeypatch, model_type, cache):
     """After steps that rejected drafts, every row's conv and recurrent states of every recurrent layer, in the target
-    and in the (hybrid) draft, are those of plain decoding of the row's kept tokens."""
+    and in the (hybrid) draft, are those of plain decoding of the row's kept tokens (dynamic and static caches)."""
     target = make_hybrid(model_type)
     draft = make_noisy_copy(target, 0.05)
     checked = []
@@ -216,6 +264,7 @@ def test_recurrent_states_after_rejections_equal_plain_decoding(monkeypatch, mod
             return
         batch = loop.batch
         views = [(target, loop.target), (draft, loop.proposer.inner.view)]
+        assert all(isinstance(view, StaticCacheView) == (cache == "static") for _, view in views)
         for model, view in views:
             for row in range(batch.batch_size):
                 pad, length = int(batch.pad_lengths[row]), int(view.cached_lengths[row])
@@ -241,7 +290,8 @@ def test_recurrent_states_after_rejections_equal_plain_decoding(monkeypatch, mod
     monkeypatch.setattr(SpeculativeLoop, "commit", commit)
     inputs = make_prompts(3, seed=11)
     spec = hf_specdec.SpecDecoder(draft_model=draft, num_speculative_tokens=4)
-    assert torch.equal(spec_generate(target, inputs, spec, **greedy()), target.generate(**inputs, **greedy()))
+    out = spec_generate(target, inputs, spec, **greedy(cache_implementation=cache))
+    assert torch.equal(out, target.generate(**inputs, **greedy()))
     assert len(checked) == 3
 
 
@@ -297,7 +347,6 @@ def no_model_work(model: torch.nn.Module) -> Iterator[None]:
 @pytest.mark.parametrize(
     ("spec_kwargs", "call_kwargs", "match"),
     [
-        ({"method": "ngram"}, {"cache_implementation": "static"}, "drop cache_implementation='static'"),
         ({"method": "ngram"}, {"return_dict_in_generate": True}, "return_dict_in_generate=False"),
         ({"method": "mtp"}, {}, r"method='mtp'.*use method='draft'"),
         ({"early_exit_layers": 1}, {}, r"method='early_exit'.*use method='draft'"),
