@@ -196,8 +196,23 @@ def test_a_smaller_hybrid_draft_and_a_hybrid_draft_for_an_attention_target():
         assert torch.equal(spec_generate(target, inputs, spec, **greedy()), target.generate(**inputs, **greedy()))
 
 
-def test_rows_leaving_the_batch_keep_the_others_states():
-    """An EOS that rows reach at different steps: finished rows leave the batch (recurrent states select rows)."""
+def test_hybrid_drafts_on_the_static_cache():
+    """A 2-layer Qwen3.5 draft on static caches, for a Granite-MoE-hybrid target and for a Llama target (whose own
+    forwards may compile; the step is never captured since the draft is a hybrid)."""
+    inputs = make_prompts(3, seed=9)
+    draft = make_hybrid("qwen3_5_text", seed=3, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
+    kwargs = greedy(max_new_tokens=STATIC_NEW_TOKENS)
+    for target in (make_hybrid("granitemoehybrid"), make_model("llama")):
+        spec = hf_specdec.SpecDecoder(draft_model=draft, num_speculative_tokens=3)
+        out = spec_generate(target, inputs, spec, **kwargs, cache_implementation="static")
+        assert torch.equal(out, target.generate(**inputs, **kwargs))
+        assert spec.last_stats.num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_rows_leaving_the_batch_keep_the_others_states(cache):
+    """An EOS that rows reach at different steps: finished rows leave the batch (recurrent states select rows), or
+    on the static cache stay in it, frozen (fed nothing; the rollback puts their states back every step)."""
     target = make_hybrid("granitemoehybrid")
     inputs = make_prompts(8, seed=6)
     plain = target.generate(**inputs, **greedy())
@@ -208,16 +223,18 @@ def test_rows_leaving_the_batch_keep_the_others_states():
     stops = {int((row == eos).nonzero()[0]) if bool((row == eos).any()) else -1 for row in expected[:, width:]}
     assert len(stops) > 2, expected  # rows finish at different steps
     spec = hf_specdec.SpecDecoder(draft_model=make_noisy_copy(target, 0.02), num_speculative_tokens=4)
-    assert torch.equal(spec_generate(target, inputs, spec, **kwargs), expected)
+    assert torch.equal(spec_generate(target, inputs, spec, **kwargs, cache_implementation=cache), expected)
 
 
 @pytest.mark.library_default
-def test_the_default_adaptive_schedule_on_a_hybrid():
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_the_default_adaptive_schedule_on_a_hybrid(cache):
     """The default schedule times a verify and rolls it back (every row keeps nothing: the snapshot comes back)."""
     target = make_hybrid("qwen3_5_text")
     inputs = make_prompts(3, seed=8)
     spec = hf_specdec.SpecDecoder(draft_model=make_noisy_copy(target, 0.02))
-    assert torch.equal(spec_generate(target, inputs, spec, **greedy()), target.generate(**inputs, **greedy()))
+    out = spec_generate(target, inputs, spec, **greedy(cache_implementation=cache))
+    assert torch.equal(out, target.generate(**inputs, **greedy()))
 
 
 def test_without_the_rollback_the_output_differs(monkeypatch):
