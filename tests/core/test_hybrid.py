@@ -2,10 +2,11 @@
 
 Tiny random fp32 targets of five families (Qwen3.5 text, Qwen3-Next, Granite-MoE-hybrid's and Bamba's Mamba2,
 Bailing-hybrid's KDA) decode greedy-identical to plain `generate` over ragged left-padded batches, with a
-noisy-copy draft (accepting 20-70%: recurrent states roll back nearly every step) and with prompt lookup; the
-recurrent and conv states after rejections equal plain decoding's of the same kept tokens, for every recurrent
-layer of the target and of a hybrid draft; sampling follows the target's law; and what is not supported is
-refused before any model work. About 40 s on 2 shared cores (one torch thread).
+noisy-copy draft (accepting 20-70%: recurrent states roll back nearly every step) and with prompt lookup, on the
+dynamic and (Qwen3.5, Bamba, Granite-MoE-hybrid) the static cache; the recurrent and conv states after rejections
+equal plain decoding's of the same kept tokens, for every recurrent layer of the target and of a hybrid draft;
+sampling follows the target's law; and what is not supported is refused before any model work. About 55 s on 2
+shared cores (one torch thread).
 """
 
 from __future__ import annotations
