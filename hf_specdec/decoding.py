@@ -45,6 +45,9 @@ class StaticPlan:
     can_capture: bool = False
     #: the loop captures its steps (`hf_specdec.step_graph`): forwards are compiled without graphs of their own
     capture_steps: bool = False
+    #: the target or the draft is a hybrid: steps are never planned or captured (the recurrent rollback's hooks and
+    #: data-dependent re-runs cannot live in a CUDA graph), and hybrid forwards are never compiled
+    hybrid: bool = False
 
 
 @dataclass
@@ -193,6 +196,7 @@ class SpeculativeLoop:
             and (len(sampling.pure) == 0 or sampling.prefix_free)
             and len(stops.general) == 0
             and self.proposer.capturable
+            and not (self.static is not None and self.static.hybrid)  # recurrent rollback: host reads, re-runs
         )
 
     def step(self) -> None:

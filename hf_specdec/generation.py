@@ -219,13 +219,17 @@ def static_plan(
     def compiled_for(m: PreTrainedModel) -> Callable | None:
         if m is model and spec.method == "mtp":  # MTP reads the target's hidden states through a forward hook
             return None
+        if is_hybrid(m):  # the recurrent rollback hooks the mixers and re-runs them: hybrids run eagerly
+            return None
         if plan.capture_steps:  # the loop captures whole steps: forwards compiled without graphs of their own
             return compat.compiled_call_without_graphs(m, generation_config)
         return compat.compiled_call(m, generation_config)
 
     plan = StaticPlan(k=k, max_columns=max_columns, compiled_call=compiled_for)
+    plan.hybrid = any(m is not None and is_hybrid(m) for m in (model, spec.draft_model))
     plan.can_capture = (
-        model.device.type == "cuda"
+        not plan.hybrid
+        and model.device.type == "cuda"
         and compat.compiled_call(model, generation_config) is not None
         and spec.method != "mtp"
         and os.environ.get(CAPTURE_ENV, "1") != "0"

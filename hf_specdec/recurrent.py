@@ -107,12 +107,6 @@ def check_recurrent_call(
             f"transformers ({compat.transformers_version()}) lacks {missing}: upgrade transformers (5.23 or newer "
             "is tested), or generate without speculation."
         )
-    if generation_config.cache_implementation == "static":
-        raise NotImplementedError(
-            f"{name}; hf_specdec rolls their state back on the dynamic cache only, but this call asks for "
-            "cache_implementation='static': drop cache_implementation='static' (the default dynamic cache supports "
-            "hybrid models)."
-        )
     if spec.method == "early_exit":
         raise NotImplementedError(
             f"{name}; SpecDecoder(method='early_exit') is not supported for hybrid models in hf_specdec yet "
@@ -192,6 +186,8 @@ class RecurrentRollback:
         if self.snapshot is None:
             self.snapshot = {index: self._layer_states(index, clone=True) for index in self.mixers}
             self.base_lengths = cached_lengths.clone()
+        elif self.fed and not bool(self.fed[-1].valid.all()):
+            self._settle(cached_lengths)
         self._recording = _Fed(valid=valid, mask=mask)
         self._hooks = [  # live only during this forward: the model is left as it was
             mixer.register_forward_pre_hook(self._make_hook(index), with_kwargs=True)
@@ -218,6 +214,16 @@ class RecurrentRollback:
             states.append((conv, recurrent, bool(layer.has_previous_state[s])))
         return states
 
+    def _settle(self, cached_lengths: torch.Tensor) -> None:  # [B] tokens each row holds, every fed one
+        """Before another forward since the snapshot (a draft's next position): rows whose last forward had unused
+        slots (a row 1 token behind in a 2-wide catch-up, a row that stopped drafting) passed them through the
+        mixers, which moves a state even on a masked input (a decay, a conv shift). Re-run those rows over every
+        token fed since the snapshot, so the next forward starts from plain decoding's state; the snapshot and
+        the recorded inputs stay for the rollback."""
+        valid = torch.cat([f.valid for f in self.fed], dim=1)  # [B, W] slots fed since the snapshot
+        counts = (cached_lengths - self.base_lengths).masked_fill(self.fed[-1].valid.all(1), -1)  # [B]
+        self._restore(self.fed, self.snapshot, counts, valid)
+
     def rollback(self, cached_lengths: torch.Tensor) -> None:  # [B] tokens each row keeps in the cache
         """Put each row's recurrent states where plain decoding of its kept tokens would have them."""
         fed, self.fed, snapshot, self.snapshot = self.fed, [], self.snapshot, None
@@ -226,7 +232,16 @@ class RecurrentRollback:
         num_kept = cached_lengths - self.base_lengths  # [B] of the tokens fed since the snapshot
         valid = torch.cat([f.valid for f in fed], dim=1)  # [B, W] slots fed since the snapshot
         exact = valid.all(1) & (num_kept == valid.shape[1])  # [B] rows whose state the forwards left is right
-        counts = num_kept.masked_fill(exact, -1)
+        self._restore(fed, snapshot, num_kept.masked_fill(exact, -1), valid)
+
+    def _restore(
+        self,
+        fed: list[_Fed],
+        snapshot: dict[int, list[tuple[torch.Tensor | None, torch.Tensor | None, bool]]],
+        counts: torch.Tensor,  # [B] tokens to keep per row (from the snapshot on), -1 for rows left as they are
+        valid: torch.Tensor,  # [B, W] slots fed since the snapshot
+    ) -> None:
+        """Rows with counts >= 0 get the snapshot back, then their mixers re-run over their first `counts` tokens."""
         groups = [int(c) for c in torch.unique(counts).tolist() if c >= 0]
         if not groups:
             return

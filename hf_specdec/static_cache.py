@@ -7,7 +7,9 @@ rejected columns into holes and moves the offset back to the end of the longest 
 the host's bound on the offset says the next write may not fit, the offset is read once and, if needed, each
 row's real columns are gathered to the left in place (compaction). Sliding-window layers get full-length static
 layers: the window is applied by the mask, in tokens (HF's static sliding layer is a ring buffer in columns,
-which a column map with holes cannot use).
+which a column map with holes cannot use). A hybrid's recurrent layers stay transformers' own `linear_attention`
+layers (no columns: compaction leaves them alone); `RecurrentRollback` rolls them back as on the dynamic path, and
+their forwards run eagerly (never compiled or captured).
 """
 
 from __future__ import annotations
@@ -21,13 +23,15 @@ from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 
 from hf_specdec import compat
 from hf_specdec.cache import CacheView
+from hf_specdec.recurrent import RecurrentRollback
 
 if TYPE_CHECKING:
     from hf_specdec.decoding import StaticPlan
 
 
 def build_static_cache(model: PreTrainedModel, max_cache_len: int) -> StaticCache:
-    """transformers' `StaticCache` for `model` with full-length layers only (sliding windows come from the mask)."""
+    """transformers' `StaticCache` for `model` with full-length layers only (sliding windows come from the mask);
+    a hybrid's recurrent layers are transformers' own `linear_attention` layers, as `StaticCache` builds them."""
     cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
     cache.layers = [
         StaticLayer(max_cache_len=max_cache_len) if isinstance(layer, StaticSlidingWindowLayer) else layer
@@ -52,6 +56,8 @@ class StaticCacheView(CacheView):
         self.plan = plan
         plan.views.append(self)
         self.cache = build_static_cache(model, max_columns)
+        if self.recurrent is not None:  # a hybrid: roll back the static cache's recurrent layers
+            self.recurrent = RecurrentRollback(model, self.cache)
         self.max_columns = max_columns
         self.aligned = False  # always an explicit mask over the whole static length: one shape per width
         self.column_index = torch.full((batch_size, max_columns), -1, dtype=torch.long, device=device)  # [B, L]
@@ -91,6 +97,11 @@ class StaticCacheView(CacheView):
         counters = [layer.cumulative_length for layer in self.cache.layers if _holds_keys(layer)]
         if counters:
             torch._foreach_copy_(counters, [self.offset] * len(counters))
+        if self.recurrent is not None:  # recurrent layers: 2-D padding mask, snapshot and recorded inputs (eager)
+            padding = None if bool(real.all()) else real.long()  # [B, w]
+            if isinstance(mask, dict):
+                mask["linear_attention"] = padding
+            self.recurrent.start_forward(self.cached_lengths, valid, padding)
         call = self.model if not self.prefilled or self.compiled_call is None else self.compiled_call
         compiled_before = 0
         own_graph = call is not self.model and not self.plan.capture_steps  # a compiled call with its own CUDA graph
@@ -98,7 +109,11 @@ class StaticCacheView(CacheView):
             torch.compiler.cudagraph_mark_step_begin()
         if call is not self.model:
             compiled_before, start = compat.num_compiled_graphs(), time.perf_counter()
-        logits = self.run_model(input_ids, mask, position_ids, logits_to_keep or 0, call)
+        try:
+            logits = self.run_model(input_ids, mask, position_ids, logits_to_keep or 0, call)
+        finally:
+            if self.recurrent is not None:
+                self.recurrent.end_forward()
         if call is not self.model and compat.num_compiled_graphs() != compiled_before:  # this call compiled
             torch.cuda.synchronize(token_ids.device)
             self.plan.compile_time_s += time.perf_counter() - start
@@ -115,6 +130,8 @@ class StaticCacheView(CacheView):
         self.cached_lengths = torch.minimum(self.cached_lengths, cached_lengths)
         keep = (self.column_index >= 0) & (self.column_index < self.cached_lengths[:, None])  # [B, L]
         self.column_index.masked_fill_(~keep, -1)
+        if self.recurrent is not None:
+            self.recurrent.rollback(self.cached_lengths)
         self.offset = ((self.columns + 1) * keep.any(0)).max()  # last used column + 1, or 0
 
     def _make_room(self, width: int) -> None:

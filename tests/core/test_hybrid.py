@@ -2,15 +2,17 @@
 
 Tiny random fp32 targets of five families (Qwen3.5 text, Qwen3-Next, Granite-MoE-hybrid's and Bamba's Mamba2,
 Bailing-hybrid's KDA) decode greedy-identical to plain `generate` over ragged left-padded batches, with a
-noisy-copy draft (accepting 20-70%: recurrent states roll back nearly every step) and with prompt lookup; the
-recurrent and conv states after rejections equal plain decoding's of the same kept tokens, for every recurrent
-layer of the target and of a hybrid draft; sampling follows the target's law; and what is not supported is
-refused before any model work. About 40 s on 2 shared cores (one torch thread).
+noisy-copy draft (accepting 20-70%: recurrent states roll back nearly every step) and with prompt lookup, on the
+dynamic and (Qwen3.5, Bamba, Granite-MoE-hybrid) the static cache; the recurrent and conv states after rejections
+equal plain decoding's of the same kept tokens, for every recurrent layer of the target and of a hybrid draft;
+sampling follows the target's law; and what is not supported is refused before any model work. About 55 s on 2
+shared cores (one torch thread).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator
 
 import pytest
@@ -26,8 +28,10 @@ from hf_specdec import cache as cache_module
 from hf_specdec import compat
 from hf_specdec.decoding import SpeculativeLoop
 from hf_specdec.recurrent import recurrent_layer_indices
+from hf_specdec.static_cache import StaticCacheView
 
 NEW_TOKENS = 40
+STATIC_NEW_TOKENS = 24
 #: What this transformers lacks of the recurrent cache API (5.17 has no `Cache.get_conv_state`): hybrids are then
 #: refused, which is all this module tests there.
 MISSING_API = compat.missing_recurrent_cache_api()
@@ -114,7 +118,7 @@ def hybrid(request: pytest.FixtureRequest) -> tuple[torch.nn.Module, torch.nn.Mo
 
 
 def greedy(**kwargs) -> dict:
-    return dict(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, **kwargs)
+    return {"max_new_tokens": NEW_TOKENS, "do_sample": False, "eos_token_id": None, **kwargs}
 
 
 @pytest.mark.parametrize("batch_size", [1, 3, 8])
@@ -149,6 +153,42 @@ def test_hybrid_compacts_and_matches_plain(monkeypatch):
     assert compactions
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "bamba"])
+@pytest.mark.parametrize("batch_size", [1, 3, 8])
+def test_hybrid_static_cache_greedy_matches_plain(model_type, batch_size):
+    """`cache_implementation="static"`: plain static `generate` equals plain dynamic on these hybrids, and the
+    static speculative path (eager: hybrids are never compiled or captured) equals both, draft and n-gram, k 1 and 4."""
+    target = make_hybrid(model_type)
+    draft = make_noisy_copy(target, 0.02)
+    inputs = make_prompts(batch_size, seed=batch_size + 1)
+    kwargs = greedy(max_new_tokens=STATIC_NEW_TOKENS)
+    expected = target.generate(**inputs, **kwargs)
+    assert torch.equal(target.generate(**inputs, **kwargs, cache_implementation="static"), expected)
+    for method, k in itertools.product(("draft", "ngram"), (1, 4)):
+        spec_kwargs = {"draft_model": draft} if method == "draft" else {"method": "ngram"}
+        spec = hf_specdec.SpecDecoder(num_speculative_tokens=k, **spec_kwargs)
+        out = spec_generate(target, inputs, spec, **kwargs, cache_implementation="static")
+        assert torch.equal(out, expected), f"{model_type} B={batch_size} {method} k={k}"
+        stats = spec.last_stats
+        assert stats.num_graph_replays == 0
+        if method == "draft":  # rejections: recurrent states rolled back
+            assert stats.num_accepted_tokens < stats.num_draft_tokens, stats
+
+
+def test_hybrid_static_cache_compacts_in_place_and_matches_plain(monkeypatch):
+    """Little room for holes: the static attention columns compact in place (recurrent layers left alone)."""
+    from hf_specdec import generation
+
+    monkeypatch.setattr(generation, "STATIC_HOLE_ROOM", 8)
+    target = make_hybrid("granitemoehybrid")
+    inputs = make_prompts(4, seed=3, min_len=2, max_len=20)
+    kwargs = greedy(max_new_tokens=60)
+    expected = target.generate(**inputs, **kwargs)
+    spec = hf_specdec.SpecDecoder(draft_model=make_noisy_copy(target, 0.05), num_speculative_tokens=4)
+    assert torch.equal(spec_generate(target, inputs, spec, **kwargs, cache_implementation="static"), expected)
+    assert spec.last_stats.num_compactions > 0
+
+
 def test_a_smaller_hybrid_draft_and_a_hybrid_draft_for_an_attention_target():
     """The draft's own cache is hybrid: a 2-layer Qwen3.5 drafting for a 4-layer Qwen3-Next, and for a Llama."""
     inputs = make_prompts(3, seed=9)
@@ -158,8 +198,23 @@ def test_a_smaller_hybrid_draft_and_a_hybrid_draft_for_an_attention_target():
         assert torch.equal(spec_generate(target, inputs, spec, **greedy()), target.generate(**inputs, **greedy()))
 
 
-def test_rows_leaving_the_batch_keep_the_others_states():
-    """An EOS that rows reach at different steps: finished rows leave the batch (recurrent states select rows)."""
+def test_hybrid_drafts_on_the_static_cache():
+    """A 2-layer Qwen3.5 draft on static caches, for a Granite-MoE-hybrid target and for a Llama target (whose own
+    forwards may compile; the step is never captured since the draft is a hybrid)."""
+    inputs = make_prompts(3, seed=9)
+    draft = make_hybrid("qwen3_5_text", seed=3, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
+    kwargs = greedy(max_new_tokens=STATIC_NEW_TOKENS)
+    for target in (make_hybrid("granitemoehybrid"), make_model("llama")):
+        spec = hf_specdec.SpecDecoder(draft_model=draft, num_speculative_tokens=3)
+        out = spec_generate(target, inputs, spec, **kwargs, cache_implementation="static")
+        assert torch.equal(out, target.generate(**inputs, **kwargs))
+        assert spec.last_stats.num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_rows_leaving_the_batch_keep_the_others_states(cache):
+    """An EOS that rows reach at different steps: finished rows leave the batch (recurrent states select rows), or
+    on the static cache stay in it, frozen (fed nothing; the rollback puts their states back every step)."""
     target = make_hybrid("granitemoehybrid")
     inputs = make_prompts(8, seed=6)
     plain = target.generate(**inputs, **greedy())
@@ -170,16 +225,18 @@ def test_rows_leaving_the_batch_keep_the_others_states():
     stops = {int((row == eos).nonzero()[0]) if bool((row == eos).any()) else -1 for row in expected[:, width:]}
     assert len(stops) > 2, expected  # rows finish at different steps
     spec = hf_specdec.SpecDecoder(draft_model=make_noisy_copy(target, 0.02), num_speculative_tokens=4)
-    assert torch.equal(spec_generate(target, inputs, spec, **kwargs), expected)
+    assert torch.equal(spec_generate(target, inputs, spec, **kwargs, cache_implementation=cache), expected)
 
 
 @pytest.mark.library_default
-def test_the_default_adaptive_schedule_on_a_hybrid():
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_the_default_adaptive_schedule_on_a_hybrid(cache):
     """The default schedule times a verify and rolls it back (every row keeps nothing: the snapshot comes back)."""
     target = make_hybrid("qwen3_5_text")
     inputs = make_prompts(3, seed=8)
     spec = hf_specdec.SpecDecoder(draft_model=make_noisy_copy(target, 0.02))
-    assert torch.equal(spec_generate(target, inputs, spec, **greedy()), target.generate(**inputs, **greedy()))
+    out = spec_generate(target, inputs, spec, **greedy(cache_implementation=cache))
+    assert torch.equal(out, target.generate(**inputs, **greedy()))
 
 
 def test_without_the_rollback_the_output_differs(monkeypatch):
@@ -203,10 +260,19 @@ def plain_states(model: torch.nn.Module, tokens: list[int]) -> DynamicCache:
     return cache
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5_text", "granitemoehybrid", "bailing_hybrid"])
-def test_recurrent_states_after_rejections_equal_plain_decoding(monkeypatch, model_type):
+@pytest.mark.parametrize(
+    ("model_type", "cache"),
+    [
+        ("qwen3_5_text", "dynamic"),
+        ("granitemoehybrid", "dynamic"),
+        ("bailing_hybrid", "dynamic"),
+        ("qwen3_5_text", "static"),
+        ("granitemoehybrid", "static"),
+    ],
+)
+def test_recurrent_states_after_rejections_equal_plain_decoding(monkeypatch, model_type, cache):
     """After steps that rejected drafts, every row's conv and recurrent states of every recurrent layer, in the target
-    and in the (hybrid) draft, are those of plain decoding of the row's kept tokens."""
+    and in the (hybrid) draft, are those of plain decoding of the row's kept tokens (dynamic and static caches)."""
     target = make_hybrid(model_type)
     draft = make_noisy_copy(target, 0.05)
     checked = []
@@ -217,6 +283,7 @@ def test_recurrent_states_after_rejections_equal_plain_decoding(monkeypatch, mod
             return
         batch = loop.batch
         views = [(target, loop.target), (draft, loop.proposer.inner.view)]
+        assert all(isinstance(view, StaticCacheView) == (cache == "static") for _, view in views)
         for model, view in views:
             for row in range(batch.batch_size):
                 pad, length = int(batch.pad_lengths[row]), int(view.cached_lengths[row])
@@ -242,7 +309,8 @@ def test_recurrent_states_after_rejections_equal_plain_decoding(monkeypatch, mod
     monkeypatch.setattr(SpeculativeLoop, "commit", commit)
     inputs = make_prompts(3, seed=11)
     spec = hf_specdec.SpecDecoder(draft_model=draft, num_speculative_tokens=4)
-    assert torch.equal(spec_generate(target, inputs, spec, **greedy()), target.generate(**inputs, **greedy()))
+    out = spec_generate(target, inputs, spec, **greedy(cache_implementation=cache))
+    assert torch.equal(out, target.generate(**inputs, **greedy()))
     assert len(checked) == 3
 
 
@@ -298,7 +366,6 @@ def no_model_work(model: torch.nn.Module) -> Iterator[None]:
 @pytest.mark.parametrize(
     ("spec_kwargs", "call_kwargs", "match"),
     [
-        ({"method": "ngram"}, {"cache_implementation": "static"}, "drop cache_implementation='static'"),
         ({"method": "ngram"}, {"return_dict_in_generate": True}, "return_dict_in_generate=False"),
         ({"early_exit_layers": 1}, {}, r"method='early_exit'.*use method='draft'"),
     ],
