@@ -107,11 +107,24 @@ def check_recurrent_call(
             f"transformers ({compat.transformers_version()}) lacks {missing}: upgrade transformers (5.23 or newer "
             "is tested), or generate without speculation."
         )
-    if spec.method in ("mtp", "early_exit"):
+    if generation_config.cache_implementation == "static" and spec.method == "mtp":
         raise NotImplementedError(
-            f"{name}; SpecDecoder(method={spec.method!r}) is not supported for hybrid models in hf_specdec yet "
+            f"{name}; MTP drafting on a hybrid target runs on the dynamic cache only in hf_specdec (not verified on "
+            "the static one): drop cache_implementation='static', or use method='draft' with a draft model, or "
+            "method='ngram' (prompt lookup), which both run on the static cache."
+        )
+    if spec.method == "early_exit":
+        raise NotImplementedError(
+            f"{name}; SpecDecoder(method='early_exit') is not supported for hybrid models in hf_specdec yet "
             "(its draft would share the target's recurrent state): use method='draft' with a draft model, or "
             "method='ngram' (prompt lookup)."
+        )
+    mtp_layer_types = getattr(model.config.get_text_config(), "mtp_layer_types", None) or []
+    if spec.method == "mtp" and RECURRENT_LAYER_TYPE in mtp_layer_types:
+        raise NotImplementedError(
+            f"{name}, and its MTP layers are recurrent too (mtp_layer_types={list(mtp_layer_types)}): hf_specdec "
+            "drafts with attention MTP layers only (their caches roll back like the target's attention layers): "
+            "use method='draft' with a draft model, or method='ngram' (prompt lookup)."
         )
     if spec.draft_tokenizer is not None:
         raise NotImplementedError(

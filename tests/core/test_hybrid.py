@@ -20,6 +20,7 @@ import torch
 import transformers
 from conftest import EOS_ID, PAD_ID, make_model, make_noisy_copy, make_prompts, spec_generate
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+from transformers.modeling_layers import MtpModel
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
 import hf_specdec
@@ -366,7 +367,6 @@ def no_model_work(model: torch.nn.Module) -> Iterator[None]:
     ("spec_kwargs", "call_kwargs", "match"),
     [
         ({"method": "ngram"}, {"return_dict_in_generate": True}, "return_dict_in_generate=False"),
-        ({"method": "mtp"}, {}, r"method='mtp'.*use method='draft'"),
         ({"early_exit_layers": 1}, {}, r"method='early_exit'.*use method='draft'"),
     ],
 )
@@ -414,10 +414,49 @@ def test_an_unverified_hybrid_family_is_refused(monkeypatch):
         spec_generate(model, make_prompts(2), hf_specdec.SpecDecoder(method="ngram"), max_new_tokens=5)
 
 
-def test_bailing_hybrid_mtp_is_refused(monkeypatch):
-    model = make_hybrid("bailing_hybrid", num_mtp_layers=1)
-    with no_model_work(model), pytest.raises(NotImplementedError, match="BailingHybridForCausalLM.*method='mtp'"):
-        spec_generate(model, make_prompts(1), hf_specdec.SpecDecoder(method="mtp"), max_new_tokens=5)
+def bailing_hybrid_with_mtp(mtp_layer_type: str) -> tuple[torch.nn.Module, MtpModel]:
+    """A Bailing-hybrid target and its one MTP layer: a copy of the target's last layer (attention or delta
+    attention), fed [embedding, hidden] through an identity-plus-noise projection, so some drafts are accepted."""
+    model = make_hybrid("bailing_hybrid", num_mtp_layers=1, mtp_layer_types=[mtp_layer_type],
+                        mtp_mlp_layer_types=["sparse"])  # fmt: skip
+    types = model.config.layer_types
+    source = model.get_decoder().layers[max(i for i, kind in enumerate(types) if kind == mtp_layer_type)]  # a MoE one
+    hidden = model.config.hidden_size
+    with torch.no_grad():
+        mtp = MtpModel(model, 1).eval()
+        layer = mtp.layers[0]
+        layer.mtp_block.load_state_dict(source.state_dict())
+        layer.eh_proj.weight.copy_(torch.cat([torch.eye(hidden), torch.randn(hidden, hidden) * 0.3 / hidden**0.5], 1))
+        layer.post_norm.weight.copy_(model.get_decoder().norm.weight)
+    return model, mtp
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 8])
+@pytest.mark.parametrize("k", [1, 3])
+def test_bailing_hybrid_mtp_matches_plain(batch_size, k):
+    """MTP layers keep their own (attention) caches; the target's recurrent states roll back as with any draft."""
+    model, mtp = bailing_hybrid_with_mtp("full_attention")
+    inputs = make_prompts(batch_size, seed=batch_size + k)
+    spec = hf_specdec.SpecDecoder(method="mtp", mtp_model=mtp, num_speculative_tokens=k,
+                                  num_speculative_tokens_schedule="constant")  # fmt: skip
+    assert torch.equal(spec_generate(model, inputs, spec, **greedy()), model.generate(**inputs, **greedy()))
+    assert spec.last_stats.num_draft_tokens > 0
+
+
+def test_recurrent_mtp_layers_are_refused(monkeypatch):
+    model, mtp = bailing_hybrid_with_mtp("linear_attention")
+    spec = hf_specdec.SpecDecoder(method="mtp", mtp_model=mtp)
+    with no_model_work(model), pytest.raises(NotImplementedError, match=r"MTP layers are recurrent.*method='draft'"):
+        spec_generate(model, make_prompts(1), spec, max_new_tokens=5)
+
+
+def test_mtp_on_a_hybrid_with_the_static_cache_is_refused():
+    """Attention MTP layers on a hybrid target are verified on the dynamic cache only; draft models and prompt lookup
+    run on the static cache."""
+    model, mtp = bailing_hybrid_with_mtp("full_attention")
+    spec = hf_specdec.SpecDecoder(method="mtp", mtp_model=mtp)
+    with no_model_work(model), pytest.raises(NotImplementedError, match=r"MTP drafting.*cache_implementation='static'"):
+        spec_generate(model, make_prompts(1), spec, max_new_tokens=5, cache_implementation="static")
 
 
 def test_a_transformers_without_the_recurrent_cache_api_is_refused(monkeypatch, qwen35):
