@@ -450,6 +450,15 @@ def test_recurrent_mtp_layers_are_refused(monkeypatch):
         spec_generate(model, make_prompts(1), spec, max_new_tokens=5)
 
 
+def test_mtp_on_a_hybrid_with_the_static_cache_is_refused():
+    """Attention MTP layers on a hybrid target are verified on the dynamic cache only; draft models and prompt lookup
+    run on the static cache."""
+    model, mtp = bailing_hybrid_with_mtp("full_attention")
+    spec = hf_specdec.SpecDecoder(method="mtp", mtp_model=mtp)
+    with no_model_work(model), pytest.raises(NotImplementedError, match=r"MTP drafting.*cache_implementation='static'"):
+        spec_generate(model, make_prompts(1), spec, max_new_tokens=5, cache_implementation="static")
+
+
 def test_a_transformers_without_the_recurrent_cache_api_is_refused(monkeypatch, qwen35):
     """transformers releases whose cache lacks the conv/recurrent state API (5.17: `Cache.get_conv_state`)."""
     if not MISSING_API:  # this transformers has it: pretend it does not
