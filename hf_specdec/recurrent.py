@@ -107,12 +107,6 @@ def check_recurrent_call(
             f"transformers ({compat.transformers_version()}) lacks {missing}: upgrade transformers (5.23 or newer "
             "is tested), or generate without speculation."
         )
-    if generation_config.cache_implementation == "static" and spec.method == "mtp":
-        raise NotImplementedError(
-            f"{name}; MTP drafting on a hybrid target runs on the dynamic cache only in hf_specdec (not verified on "
-            "the static one): drop cache_implementation='static', or use method='draft' with a draft model, or "
-            "method='ngram' (prompt lookup), which both run on the static cache."
-        )
     if spec.method == "early_exit":
         raise NotImplementedError(
             f"{name}; SpecDecoder(method='early_exit') is not supported for hybrid models in hf_specdec yet "

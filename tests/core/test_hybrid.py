@@ -433,13 +433,15 @@ def bailing_hybrid_with_mtp(mtp_layer_type: str) -> tuple[torch.nn.Module, MtpMo
 
 @pytest.mark.parametrize("batch_size", [1, 3, 8])
 @pytest.mark.parametrize("k", [1, 3])
-def test_bailing_hybrid_mtp_matches_plain(batch_size, k):
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_bailing_hybrid_mtp_matches_plain(batch_size, k, cache):
     """MTP layers keep their own (attention) caches; the target's recurrent states roll back as with any draft."""
     model, mtp = bailing_hybrid_with_mtp("full_attention")
     inputs = make_prompts(batch_size, seed=batch_size + k)
     spec = hf_specdec.SpecDecoder(method="mtp", mtp_model=mtp, num_speculative_tokens=k,
                                   num_speculative_tokens_schedule="constant")  # fmt: skip
-    assert torch.equal(spec_generate(model, inputs, spec, **greedy()), model.generate(**inputs, **greedy()))
+    out = spec_generate(model, inputs, spec, **greedy(), cache_implementation=cache)
+    assert torch.equal(out, model.generate(**inputs, **greedy()))
     assert spec.last_stats.num_draft_tokens > 0
 
 
@@ -448,15 +450,6 @@ def test_recurrent_mtp_layers_are_refused(monkeypatch):
     spec = hf_specdec.SpecDecoder(method="mtp", mtp_model=mtp)
     with no_model_work(model), pytest.raises(NotImplementedError, match=r"MTP layers are recurrent.*method='draft'"):
         spec_generate(model, make_prompts(1), spec, max_new_tokens=5)
-
-
-def test_mtp_on_a_hybrid_with_the_static_cache_is_refused():
-    """Attention MTP layers on a hybrid target are verified on the dynamic cache only; draft models and prompt lookup
-    run on the static cache."""
-    model, mtp = bailing_hybrid_with_mtp("full_attention")
-    spec = hf_specdec.SpecDecoder(method="mtp", mtp_model=mtp)
-    with no_model_work(model), pytest.raises(NotImplementedError, match=r"MTP drafting.*cache_implementation='static'"):
-        spec_generate(model, make_prompts(1), spec, max_new_tokens=5, cache_implementation="static")
 
 
 def test_a_transformers_without_the_recurrent_cache_api_is_refused(monkeypatch, qwen35):
