@@ -35,13 +35,20 @@ def forward_parameters(module: torch.nn.Module) -> dict[str, inspect.Parameter]:
     return dict(inspect.signature(module.forward).parameters)
 
 
+def cache_parameter(parameters: dict[str, inspect.Parameter]) -> str | None:
+    """The parameter of a forward that takes a transformers Cache: `past_key_values`, or on transformers >= 5.24
+    `cache` annotated as a `Cache` (XLM and Flaubert long took a `cache` of their own, a dict); None if neither."""
+    if CACHE_ARGUMENT == "cache" and "cache" in parameters and "Cache" in str(parameters["cache"].annotation):
+        return "cache"
+    return "past_key_values" if "past_key_values" in parameters else None
+
+
 def cache_argument(module: torch.nn.Module) -> str:
     """The keyword `module.forward` takes its cache by: `cache` on transformers >= 5.24, `past_key_values` before
     (and on remote code written for it); `CACHE_ARGUMENT` when the forward names neither (it takes **kwargs)."""
     name = _CACHE_ARGUMENTS.get(type(module))
     if name is None:
-        parameters = forward_parameters(module)
-        name = next((n for n in (CACHE_ARGUMENT, *CACHE_NAMES) if n in parameters), CACHE_ARGUMENT)
+        name = cache_parameter(forward_parameters(module)) or CACHE_ARGUMENT
         _CACHE_ARGUMENTS[type(module)] = name
     return name
 

@@ -111,7 +111,7 @@ def check_supported_cache(model: PreTrainedModel, role: str = "target", needs_po
             if forward is not None:
                 parameters.update(inspect.signature(forward).parameters)
     supports_cache = getattr(type(model), "_supports_default_dynamic_cache", lambda: True)()
-    if not any(name in parameters for name in compat.CACHE_NAMES) or not supports_cache:
+    if compat.cache_parameter(parameters) is None or not supports_cache:
         raise NotImplementedError(
             f"The {role} model {name} keeps its own recurrent or custom state instead of a transformers Cache of "
             "attention keys and values, which speculative decoding cannot roll back exactly in hf_specdec: "
