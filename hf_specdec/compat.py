@@ -37,8 +37,8 @@ def forward_parameters(module: torch.nn.Module) -> dict[str, inspect.Parameter]:
 
 def cache_parameter(parameters: dict[str, inspect.Parameter]) -> str | None:
     """The parameter of a forward that takes a transformers Cache: `past_key_values`, or on transformers >= 5.24
-    `cache` annotated as a `Cache` (XLM and Flaubert long took a `cache` of their own, a dict); None if neither."""
-    if CACHE_ARGUMENT == "cache" and "cache" in parameters and "Cache" in str(parameters["cache"].annotation):
+    `cache` (unless annotated as a dict: XLM and Flaubert long took a `cache` of their own); None if neither."""
+    if CACHE_ARGUMENT == "cache" and "cache" in parameters and "dict" not in str(parameters["cache"].annotation):
         return "cache"
     return "past_key_values" if "past_key_values" in parameters else None
 
