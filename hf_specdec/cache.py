@@ -18,6 +18,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from hf_specdec import compat
 from hf_specdec.compat import crop_cache, is_recurrent_layer
 from hf_specdec.model_support import alibi_from_mask, check_attention_implementation
 from hf_specdec.recurrent import RecurrentRollback, is_hybrid
@@ -108,7 +109,7 @@ class CacheView:
             input_ids=input_ids,
             attention_mask=mask,
             position_ids=position_ids,
-            past_key_values=self.cache,
+            **compat.cache_kwargs(self.model, self.cache),
             use_cache=True,
             logits_to_keep=logits_to_keep,
         ).logits

@@ -1,19 +1,83 @@
 """The transformers internals hf_specdec relies on, gathered in one place.
 
 Each helper names the private API it wraps, so that a transformers upgrade that moves one breaks here, in one
-module, not across the package. Covered: transformers 5.17 (the GPU image) to 5.23.
+module, not across the package. Covered: transformers 5.17 (the GPU image) to 5.24 (which renamed the models'
+`past_key_values` argument and output field to `cache`).
 """
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from transformers import CompileConfig, DynamicCache, GenerationConfig, PreTrainedModel, StaticCache, cache_utils
+from transformers.generation import utils as generation_utils
 
 #: The cache layer of layers that keep no cache (Gemma 4's KV-shared layers); None on transformers without it.
 DUMMY_LAYER = getattr(cache_utils, "DummyLayer", None)
+
+#: The name of the cache in `generate`'s model_kwargs, the models' forwards and their outputs: transformers 5.24
+#: renamed `past_key_values` to `cache` (`generation.utils.ALL_CACHE_NAMES`; the old name is a deprecated alias).
+CACHE_ARGUMENT: str = "cache" if "cache" in getattr(generation_utils, "ALL_CACHE_NAMES", ()) else "past_key_values"
+
+#: Both names a cache may come under (a caller's kwargs, a forward hook's kwargs, remote code).
+CACHE_NAMES: tuple[str, ...] = ("cache", "past_key_values")
+
+#: module class -> the keyword its forward takes the cache by.
+_CACHE_ARGUMENTS: dict[type, str] = {}
+
+
+def forward_parameters(module: torch.nn.Module) -> dict[str, inspect.Parameter]:
+    """The parameters of `module.forward` (through transformers' `deprecate_kwarg` wrappers)."""
+    return dict(inspect.signature(module.forward).parameters)
+
+
+def cache_parameter(parameters: dict[str, inspect.Parameter]) -> str | None:
+    """The parameter of a forward that takes a transformers Cache: `past_key_values`, or on transformers >= 5.24
+    `cache` (unless annotated as a dict: XLM and Flaubert long took a `cache` of their own); None if neither."""
+    if CACHE_ARGUMENT == "cache" and "cache" in parameters and "dict" not in str(parameters["cache"].annotation):
+        return "cache"
+    return "past_key_values" if "past_key_values" in parameters else None
+
+
+def cache_argument(module: torch.nn.Module) -> str:
+    """The keyword `module.forward` takes its cache by: `cache` on transformers >= 5.24, `past_key_values` before
+    (and on remote code written for it); `CACHE_ARGUMENT` when the forward names neither (it takes **kwargs)."""
+    name = _CACHE_ARGUMENTS.get(type(module))
+    if name is None:
+        name = cache_parameter(forward_parameters(module)) or CACHE_ARGUMENT
+        _CACHE_ARGUMENTS[type(module)] = name
+    return name
+
+
+def cache_kwargs(module: torch.nn.Module, cache: object) -> dict[str, object]:
+    """`{name: cache}` to pass `cache` to `module`'s forward under the name it takes."""
+    return {cache_argument(module): cache}
+
+
+def get_cache(kwargs: dict[str, Any]) -> Any:
+    """The cache in `generate`'s model_kwargs (or a forward's kwargs) under either name, or None."""
+    for name in (CACHE_ARGUMENT, *CACHE_NAMES):
+        if kwargs.get(name) is not None:
+            return kwargs[name]
+    return None
+
+
+def output_cache(outputs: Any) -> Any:
+    """The cache a model or generate output carries: its field `cache` on transformers >= 5.24, `past_key_values`
+    before."""
+    fields = getattr(type(outputs), "__dataclass_fields__", {})
+    return getattr(outputs, next((n for n in CACHE_NAMES if n in fields), CACHE_ARGUMENT), None)
+
+
+def generate_output_fields(cache: object) -> dict[str, object]:
+    """`{field: cache}` for a `GenerateDecoderOnlyOutput` (its field is `cache` from transformers 5.24)."""
+    fields = getattr(generation_utils.GenerateDecoderOnlyOutput, "__dataclass_fields__", {})
+    return {next((n for n in CACHE_NAMES if n in fields), CACHE_ARGUMENT): cache}
+
 
 #: model -> ((compile settings), its compiled __call__ without CUDA graphs), for the captured speculative step.
 _UNGRAPHED_CALLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -26,7 +90,7 @@ def compiled_call(model: PreTrainedModel, generation_config: GenerationConfig) -
     (`GenerationMixin._valid_auto_compile_criteria`: a compileable cache on CUDA-like hardware, no CPU/disk offload,
     a compileable quantizer) and `PreTrainedModel.get_compiled_call` (one `torch.compile` per model and config).
     """
-    probe = {"past_key_values": StaticCache(config=model.config, max_cache_len=1)}
+    probe = {CACHE_ARGUMENT: StaticCache(config=model.config, max_cache_len=1)}
     if not model._valid_auto_compile_criteria(probe, generation_config):
         return None
     return model.get_compiled_call(generation_config.compile_config)

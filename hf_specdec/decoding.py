@@ -55,7 +55,7 @@ class LoopOutput:
     sequences: torch.Tensor  # [B, L] token ids laid out like plain generate's
     scores: tuple[torch.Tensor, ...] | None  # one [B, V] per generated column (processed scores)
     logits: tuple[torch.Tensor, ...] | None  # one [B, V] per generated column (raw logits)
-    past_key_values: object | None = None  # the cache plain generate would leave (when a CacheHandoff asks)
+    cache: object | None = None  # the cache plain generate would leave (when a CacheHandoff asks)
 
 
 class SpeculativeLoop:
@@ -435,7 +435,7 @@ class SpeculativeLoop:
         if self.logit_buffer is not None:
             logits = tuple(self.logit_buffer[:, :generated].unbind(1))
         cache = self.handoff.hand_back(self.model, sequences) if self.handoff is not None else None
-        return LoopOutput(sequences=sequences, scores=scores, logits=logits, past_key_values=cache)
+        return LoopOutput(sequences=sequences, scores=scores, logits=logits, cache=cache)
 
 
 def _grown(buffer: torch.Tensor | None, needed: int, limit: int) -> torch.Tensor | None:  # [B_total, T', V]

@@ -39,7 +39,7 @@ from hf_specdec.stopping import StopRules
 HANDLED_MODEL_KWARGS = {
     "attention_mask",
     "position_ids",
-    "past_key_values",
+    *compat.CACHE_NAMES,  # `past_key_values`, `cache` from transformers 5.24
     "use_cache",
     "logits_to_keep",
     "encoder_outputs",  # encoder-decoder targets: generate ran the encoder (`hf_specdec.seq2seq`)
@@ -118,11 +118,11 @@ def generate(
         encoder, decoder_mask = encoder_state(model_kwargs), None
     static = None
     if generation_config.cache_implementation == "static":
-        static = static_plan(model, spec, generation_config, model_kwargs.get("past_key_values"))
+        static = static_plan(model, spec, generation_config, compat.get_cache(model_kwargs))
     handoff = (
         None
         if static or is_hybrid(model)  # hybrids: no cache to adopt or hand back (refused above)
-        else build_handoff(model, spec, input_ids, generation_config, model_kwargs.get("past_key_values"))
+        else build_handoff(model, spec, input_ids, generation_config, compat.get_cache(model_kwargs))
     )
     batch = RaggedBatch.from_prompts(
         input_ids, decoder_mask, generation_config.max_length + spec.max_speculative_tokens + 1
@@ -175,7 +175,7 @@ def generate(
             sequences=result.sequences,
             scores=result.scores,
             logits=result.logits,
-            past_key_values=result.past_key_values,
+            **compat.generate_output_fields(result.cache),
             spec_stats=loop.stats,
         )
     return result.sequences

@@ -21,6 +21,8 @@ import inspect
 
 from transformers import PreTrainedModel, cache_utils
 
+from hf_specdec import compat
+
 #: Cache layer types (transformers' `layer_types` names) whose rollback and masks `hf_specdec.cache` implements
 #: (`linear_attention`: the recurrent layers of hybrids, rolled back by `hf_specdec.recurrent`; "dummy": a layer that
 #: keeps no cache, as Gemma 4's KV-shared layers reuse an earlier layer's keys: nothing to roll back).
@@ -109,7 +111,7 @@ def check_supported_cache(model: PreTrainedModel, role: str = "target", needs_po
             if forward is not None:
                 parameters.update(inspect.signature(forward).parameters)
     supports_cache = getattr(type(model), "_supports_default_dynamic_cache", lambda: True)()
-    if "past_key_values" not in parameters or not supports_cache:
+    if compat.cache_parameter(parameters) is None or not supports_cache:
         raise NotImplementedError(
             f"The {role} model {name} keeps its own recurrent or custom state instead of a transformers Cache of "
             "attention keys and values, which speculative decoding cannot roll back exactly in hf_specdec: "

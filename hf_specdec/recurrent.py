@@ -125,7 +125,7 @@ def check_recurrent_call(
             f"{name}; a draft with another tokenizer (draft_tokenizer=...) is not supported with hybrid models in "
             "hf_specdec yet: use a draft sharing the target's tokenizer, or method='ngram'."
         )
-    cache = model_kwargs.get("past_key_values")
+    cache = compat.get_cache(model_kwargs)
     if cache is not None and getattr(cache, "_is_user_defined", False):
         raise NotImplementedError(
             f"{name}; hf_specdec does not continue or fill a caller's past_key_values for hybrid models yet "

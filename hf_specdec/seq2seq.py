@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache, EncoderDecoderCache, PreTrainedModel
 
+from hf_specdec import compat
 from hf_specdec.cache import CacheView
 
 
@@ -164,7 +165,7 @@ class Seq2SeqCacheView(CacheView):
                 decoder_attention_mask=mask,
                 encoder_outputs=(self.encoder.hidden,),
                 attention_mask=self.encoder.mask,
-                past_key_values=self.cache,
+                **compat.cache_kwargs(self.model, self.cache),
                 use_cache=True,
                 **positions,
             )
@@ -175,7 +176,7 @@ class Seq2SeqCacheView(CacheView):
                 input_ids=input_ids,
                 attention_mask=mask,
                 encoder_outputs=self.encoder.hidden,
-                past_key_values=self.cache,
+                **compat.cache_kwargs(self.model, self.cache),
                 use_cache=True,
                 **positions,
             )

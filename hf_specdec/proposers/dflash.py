@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
+from hf_specdec import compat
 from hf_specdec.batch import RaggedBatch
 from hf_specdec.cache import CacheView
 from hf_specdec.compat import crop_cache
@@ -83,7 +84,7 @@ class DFlashContextView(CacheView):
             context_hidden_states=context,
             attention_mask=masks,
             position_ids=position_ids,
-            past_key_values=self.cache,
+            **compat.cache_kwargs(self.model, self.cache),
             use_cache=True,
         ).last_hidden_state  # [B, s, H]
         crop_cache(self.cache, -size)  # the block is read, not kept

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from hf_specdec import compat
 from hf_specdec.batch import RaggedBatch
 from hf_specdec.cache import CacheView
 from hf_specdec.proposers.draft_model import DraftModelProposer
@@ -38,7 +39,11 @@ def check_early_exit(model: PreTrainedModel, num_layers: int) -> None:
     # Probe with one token: a model whose forward ignores config.num_hidden_layers would draft with every layer.
     probe = DynamicCache()
     with torch.no_grad(), truncated(model, num_layers):
-        model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=model.device), past_key_values=probe, use_cache=True)
+        model(
+            input_ids=torch.zeros(1, 1, dtype=torch.long, device=model.device),
+            use_cache=True,
+            **compat.cache_kwargs(model, probe),
+        )
     if len(probe.layers) != num_layers:
         raise _ignores_truncation(model, len(probe.layers), num_layers)
 

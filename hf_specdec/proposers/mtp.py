@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from hf_specdec import compat
 from hf_specdec.batch import RaggedBatch
 from hf_specdec.cache import CacheView
 from hf_specdec.proposers.base import Proposal, Proposer
@@ -124,7 +125,7 @@ class MtpLayerView(CacheView):
             position_embeddings=rope,
             attention_mask=mask,
             position_ids=position_ids,
-            past_key_values=self.cache,
+            **compat.cache_kwargs(mtp.layers[self.layer_idx], self.cache),
             use_cache=True,
         )  # [B, w, H]
         if mtp.use_shared_post_norm:

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from hf_specdec import compat
+
 
 class VerifyCapture:
     """Records, for the target's latest forward, its masks, cache, width, last hidden state and chosen layers' outputs.
@@ -62,7 +64,7 @@ class VerifyCapture:
 
     def _before(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         self.attention_mask = kwargs.get("attention_mask")
-        self.cache = kwargs.get("past_key_values")
+        self.cache = compat.get_cache(kwargs)
         fed = kwargs.get("input_ids")
         if fed is None:
             fed = kwargs.get("inputs_embeds")
