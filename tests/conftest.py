@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -448,3 +449,13 @@ def record_proposals(monkeypatch: pytest.MonkeyPatch, proposer_class: type) -> l
 
     monkeypatch.setattr(proposer_class, "propose", recording)
     return steps
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """Tiny models run fastest on one thread; two spin-wait badly on a shared 2-core machine (up to 100x slower).
+    A test module opts in with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -30,6 +30,7 @@ from hf_specdec.decoding import SpeculativeLoop
 from hf_specdec.recurrent import recurrent_layer_indices
 from hf_specdec.static_cache import StaticCacheView
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 NEW_TOKENS = 40
 STATIC_NEW_TOKENS = 24
 #: What this transformers lacks of the recurrent cache API (5.17 has no `Cache.get_conv_state`): hybrids are then
@@ -87,15 +88,6 @@ CONFIGS = {
 def needs_recurrent_api(request: pytest.FixtureRequest) -> None:
     if MISSING_API and request.node.originalname != "test_a_transformers_without_the_recurrent_cache_api_is_refused":
         pytest.skip(f"transformers {transformers.__version__} lacks {MISSING_API}: hybrids are refused")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny models are overhead-bound: one thread is as fast, and does not stall in spin-waits on shared cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def make_hybrid(model_type: str, seed: int = 0, vocab: int = 96, **overrides) -> torch.nn.Module:

@@ -17,19 +17,13 @@ from first_tokens_law import check_first_tokens, exact_joint_law
 import hf_specdec
 from hf_specdec.proposers.dflash import DFlashProposer
 
-pytestmark = pytest.mark.skipif(
-    not hasattr(transformers, "MuseGlimmerAssistantModel"), reason="this transformers has no DFlash drafter"
-)
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.skipif(
+        not hasattr(transformers, "MuseGlimmerAssistantModel"), reason="this transformers has no DFlash drafter"
+    ),
+]
 VOCAB = 16
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These tiny models run fastest on one thread (two spin-wait badly on a shared 2-core machine: 100x slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

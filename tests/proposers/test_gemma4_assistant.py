@@ -17,18 +17,12 @@ from first_tokens_law import check_first_tokens, exact_joint_law
 import hf_specdec
 from hf_specdec.proposers.gemma4_assistant import Gemma4AssistantProposer
 
-pytestmark = pytest.mark.skipif(
-    not hasattr(transformers, "Gemma4AssistantForCausalLM"), reason="this transformers has no Gemma 4 assistants"
-)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These tiny models run fastest on one thread (two spin-wait badly on a shared 2-core machine: 100x slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.skipif(
+        not hasattr(transformers, "Gemma4AssistantForCausalLM"), reason="this transformers has no Gemma 4 assistants"
+    ),
+]
 
 
 @pytest.fixture(scope="module")
