@@ -83,7 +83,8 @@ class CacheView:
         # causal mask (no explicit mask keeps sdpa on its GQA-native, flash-capable path).
         mask = None if self.aligned and width > 0 else self._attention_mask(queries, keys)
         if self.recurrent is not None:  # recurrent layers take a 2-D padding mask: left padding stays out of the state
-            padding = None if self.aligned or bool(real.all()) else real.long()  # [B, w]
+            # (a row with every slot real is multiplied by ones: exact, and no host read to find out)
+            padding = None if self.aligned else real.long()  # [B, w]
             if isinstance(mask, dict):
                 mask["linear_attention"] = padding
             self.recurrent.start_forward(self.cached_lengths, valid, padding)

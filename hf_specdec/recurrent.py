@@ -284,7 +284,7 @@ class RecurrentRollback:
         if count:
             kept_mask = mask[rows[:, None], slots]  # [b, c]
             call = dict(kwargs)
-            call["attention_mask"] = None if bool(kept_mask.all()) else kept_mask
+            call["attention_mask"] = kept_mask  # all ones where nothing is padded: the same states
             with torch.no_grad():  # the mixer updates the b-row states in place
                 mixer(hidden[rows[:, None], slots], **call)  # [b, c, H]
         for s, (full_conv, full_recurrent, _) in enumerate(current):

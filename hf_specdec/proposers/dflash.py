@@ -139,7 +139,9 @@ class DFlashProposer(Proposer):
     def propose(self, batch: RaggedBatch, max_draft_tokens: torch.Tensor, sampling: StepSampling) -> Proposal:
         assert self.view is not None, "prefill() must run before propose()"
         budget = max_draft_tokens.clamp(max=self.block_size - 1)  # [B]
-        k = int(budget.max().item()) if batch.batch_size else 0
+        # One forward drafts the whole block whatever the budgets: draw the widest budget there can be (rows past
+        # their own budget draw nothing), known on the host, so proposing reads nothing back from the device.
+        k = min(self.num_speculative_tokens, self.block_size - 1) if batch.batch_size else 0
         if k == 0 or not self.pending:  # step 0: the drafts need the prefill's states
             return Proposal.empty(batch.batch_size, batch.device)
         context = torch.cat([states for states, _ in self.pending], dim=1)  # [B, c, nH]
