@@ -23,7 +23,8 @@ from hf_specdec import compat
 from hf_specdec.batch import RaggedBatch
 from hf_specdec.config import MAX_SPECULATIVE_TOKENS, SpecDecoder
 from hf_specdec.continuation import CacheHandoff, check_continuation_cache
-from hf_specdec.decoding import SpeculativeLoop, StaticPlan
+from hf_specdec.cache_route import choose_route, say_once
+from hf_specdec.decoding import SpeculativeLoop, StaticPlan, capture_blocker
 from hf_specdec.exact import ExactPath, needs_exact_path
 from hf_specdec.metrics import SpecDecodeStats
 from hf_specdec.model_support import check_alibi_call, check_supported_cache
@@ -116,9 +117,10 @@ def generate(
 
         check_seq2seq_target(model, input_ids.shape[0], spec.method)
         encoder, decoder_mask = encoder_state(model_kwargs), None
+    route = choose_route(model, spec, generation_config, compat.get_cache(model_kwargs))
     static = None
-    if generation_config.cache_implementation == "static":
-        static = static_plan(model, spec, generation_config, compat.get_cache(model_kwargs))
+    if route.static:
+        static = static_plan(model, spec, generation_config, compat.get_cache(model_kwargs), route.compile)
     handoff = (
         None
         if static or is_hybrid(model)  # hybrids: no cache to adopt or hand back (refused above)
@@ -139,16 +141,25 @@ def generate(
     exact = None
     if needs_exact_path(sampling, stopping_criteria):
         exact = ExactPath(logits_processor, stopping_criteria, stop_rules.pad_token_id)
-        if generation_config.cache_implementation == "static":
+        if static is not None and not route.by_default:
             names = sorted({type(p).__name__ for p in (*logits_processor, *stopping_criteria)})
             raise NotImplementedError(
                 f"This call has logits processors or stopping criteria off hf_specdec's vectorised allow-list "
                 f"(among {names}), which run on the exact position-by-position path; that path does not run on "
                 "static caches yet: drop cache_implementation='static' (the default dynamic cache supports them)."
             )
+    proposer = build_proposer(spec, model, tokenizer, encoder, static=static is not None)
+    if static is not None and route.by_default:  # the default takes the static path only where it is captured
+        blocker = capture_blocker(sampling, stop_rules, exact, proposer, host_outputs=False, hybrid=static.hybrid)
+        if blocker is not None:
+            say_once(blocker)
+            static = None
+            proposer = build_proposer(spec, model, tokenizer, encoder, static=False)
+            if handoff is None and not is_hybrid(model):
+                handoff = build_handoff(model, spec, input_ids, generation_config, compat.get_cache(model_kwargs))
     loop = SpeculativeLoop(
         model=model,
-        proposer=build_proposer(spec, model, tokenizer, encoder, static=static is not None),
+        proposer=proposer,
         batch=batch,
         sampling=sampling,
         stop_rules=stop_rules,
@@ -197,9 +208,14 @@ STATIC_UNSUPPORTED_METHODS = {
 
 
 def static_plan(
-    model: PreTrainedModel, spec: SpecDecoder, generation_config: GenerationConfig, cache: Any = None
+    model: PreTrainedModel,
+    spec: SpecDecoder,
+    generation_config: GenerationConfig,
+    cache: Any = None,
+    compile_forwards: bool = True,
 ) -> StaticPlan:
-    """Static caches for this call, and the compiled forwards transformers' own rules allow (CUDA: graphs)."""
+    """Static caches for this call: on a GPU its whole steps captured as CUDA graphs, with the forwards compiled
+    where transformers' own rules allow it and `compile_forwards` asks for it (else eager forwards, captured)."""
     unsupported = None
     if model.config.is_encoder_decoder:
         unsupported = f"an encoder-decoder target ({type(model).__name__})"
@@ -217,6 +233,8 @@ def static_plan(
     max_columns = generation_config.max_length + k + 1 + max(STATIC_HOLE_ROOM, 4 * (k + 1))
 
     def compiled_for(m: PreTrainedModel) -> Callable | None:
+        if not compile_forwards:  # the default route: eager forwards, captured with the whole step
+            return None
         if m is model and spec.method == "mtp":  # MTP reads the target's hidden states through a forward hook
             return None
         if is_hybrid(m):  # the recurrent rollback hooks the mixers and re-runs them: hybrids run eagerly
@@ -230,7 +248,6 @@ def static_plan(
     plan.can_capture = (
         not plan.hybrid
         and model.device.type == "cuda"
-        and compat.compiled_call(model, generation_config) is not None
         and spec.method != "mtp"
         and os.environ.get(CAPTURE_ENV, "1") != "0"
     )
