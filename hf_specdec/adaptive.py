@@ -337,7 +337,9 @@ class AdaptiveSchedule(SpeculationSchedule):
         widths = self.widths
         known = costs is not None and costs.calibrated and costs.covers(widths)
         if self.time_verify is not None and not (known and costs.complete(widths)):
-            costs = costs if costs is not None and costs.calibrated else StepCosts()
+            # Static caches: the eager forwards timed here only seed the costs until captured steps are measured,
+            # so one pass (the model's first call) is enough.
+            costs = costs if costs is not None and costs.calibrated else StepCosts(max_passes=1 if self.static else 3)
             costs.calibrate(self.time_verify, widths)
         elif not known:
             nearby = [(abs(b - batch_size), b) for (key, b), c in self.memory.costs.items()
