@@ -80,7 +80,7 @@ def ngram_search_device(
     for i in range(min(max_n, capacity)):  # offsets past the buffer's width match nowhere
         if i:
             run[:, :i] = False  # q < i: the window would start before the buffer
-        run[:, i:] &= tokens[:, : capacity - i] == suffix[:, i, None]  # token q - i against c[-1 - i], every q >= i
+        run[:, i:].bitwise_and_(tokens[:, : capacity - i] == suffix[:, i, None])  # token q - i vs c[-1 - i], q >= i
         run_length += run
 
     # One reduction for both choices: the largest n first, then the most recent q (n * C + q is monotone in both).
