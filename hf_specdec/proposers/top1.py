@@ -3,9 +3,9 @@
 Rows that would run past the draft's position limit (or a user `max_draft_len`), rows whose schedule gives
 them no drafts this step, and rows for which the inner proposer finds nothing get 0 drafts and simply decode
 one token through the same batched target forward. The inner proposer runs only for the rows that may
-speculate (a sub-batch for stateless proposers, zero budgets otherwise), and its result is merged back with
-`-1` ids and zero probabilities. `build_proposer` always wraps its proposer in one, so this is the single
-place where per-row draft budgets are decided.
+speculate (a sub-batch for stateless proposers on dynamic caches, zero budgets otherwise), and its result is
+merged back with `-1` ids and zero probabilities. `build_proposer` always wraps its proposer in one, so this is
+the single place where per-row draft budgets are decided.
 """
 
 from __future__ import annotations
@@ -157,7 +157,8 @@ class Top1Proposer(Proposer):
         num_speculating = int(speculating.sum().item()) if batch.batch_size else 0
         if num_speculating == 0:
             proposal = Proposal.empty(batch.batch_size, batch.device)
-        elif self.inner.stateless and num_speculating < batch.batch_size:
+        elif self.inner.stateless and self.static is None and num_speculating < batch.batch_size:
+            # A sub-batch of the speculating rows (dynamic caches; static ones keep one shape: zero budgets)
             rows = speculating.nonzero().squeeze(1)  # [B']
             proposal = self._merge(
                 batch.batch_size, rows, self.inner.propose(_sub_batch(batch, rows), budget[rows], sampling)
