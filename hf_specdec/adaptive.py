@@ -380,13 +380,14 @@ class AdaptiveSchedule(SpeculationSchedule):
     def plans_on_host(self) -> bool:
         """Whether the choice is made before drafting, on the host alone (`host_budgets`): a draft model's steps
         can then be captured as CUDA graphs, one for drafting steps and one for steps without drafts."""
-        return not self.propose_first
+        return not self.propose_first or self.static
 
     def budgets(self, batch: RaggedBatch) -> torch.Tensor:  # [B]
         return self.host_budgets(batch).to(batch.device)
 
     def host_budgets(self, batch: RaggedBatch) -> torch.Tensor:  # [B] (host)
         """Drafts each row may have this step, decided on the host; also starts timing the step."""
+        planned_keys = self.keys  # static prompt lookup: the keys of the row's previous drafts (`observe`)
         self.keys = torch.zeros(batch.batch_size, dtype=torch.long)  # a draft model's rows have one key
         if self.prefilling:  # step 0 (the prefill) drafts nothing: its costs are not known, and it is plain's own
             self.prefilling = False
@@ -406,8 +407,12 @@ class AdaptiveSchedule(SpeculationSchedule):
             bucket = context_bucket(float((batch.lengths - batch.pad_lengths).float().mean()) if batch.batch_size else 0.0)
         self.pending = _Step(costs, bucket, time.perf_counter())
         full = torch.full((batch.batch_size,), self.max_k, dtype=torch.long)  # [B]
-        if self.propose_first:
+        if self.propose_first and not self.static:  # chosen after proposing, from the drafts' keys (`trim`)
             return full
+        if self.propose_first and planned_keys.shape[0] == batch.batch_size:
+            # Static prompt lookup, planned before its device work: every drafting step verifies k + 1 slots, so
+            # trimming rows saves nothing; whether to draft is judged by each row's previous drafts' keys.
+            self.keys = planned_keys
         return self._choose(self.keys, full)
 
     def discard_timing(self) -> None:
@@ -453,7 +458,11 @@ class AdaptiveSchedule(SpeculationSchedule):
         steps = self.pending.costs.at(self.pending.bucket)
         return steps.samples.get(1, 0) < self.plain_samples_needed
 
-    def observe(self, num_draft_tokens: torch.Tensor, num_accepted: torch.Tensor) -> None:
+    def observe(
+        self, num_draft_tokens: torch.Tensor, num_accepted: torch.Tensor, draft_keys: torch.Tensor | None = None
+    ) -> None:
+        if draft_keys is not None:  # a planned step's drafts came with keys after the choice (static prompt lookup)
+            self.keys = draft_keys.cpu()
         drafted, accepted = num_draft_tokens.cpu(), num_accepted.cpu()
         self.stats.record(self.keys, drafted, accepted)
         self.row_accepted *= self.row_decay

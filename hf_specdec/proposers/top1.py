@@ -72,6 +72,7 @@ class Top1Proposer(Proposer):
         self.planned_width: int | None = None
         self.planned_budgets: torch.Tensor | None = None  # [B]
         self.last_num_accepted: torch.Tensor | None = None  # [B]
+        self.last_draft_keys: torch.Tensor | None = None  # [B] keys of the latest planned drafts (prompt lookup)
 
     @property
     def returns_probs(self) -> bool:  # type: ignore[override]
@@ -138,7 +139,7 @@ class Top1Proposer(Proposer):
         if self.schedule is not None and not measured:
             self.schedule.discard_timing()
         if self.planned_width is not None and self.last_num_accepted is not None:
-            self.schedule.observe(self.last_num_draft_tokens, self.last_num_accepted)
+            self.schedule.observe(self.last_num_draft_tokens, self.last_num_accepted, self.last_draft_keys)
         self.inner.after_step()
 
     def propose(self, batch: RaggedBatch, max_draft_tokens: torch.Tensor, sampling: StepSampling) -> Proposal:
@@ -150,6 +151,8 @@ class Top1Proposer(Proposer):
             else:
                 budget = self.budgets(batch, max_draft_tokens)  # [B]
                 proposal = _clip(self.inner.propose(batch, budget, sampling), budget, width=self.static.k)
+                if proposal.draft_keys is not None and self.planned_width is not None:
+                    self.last_draft_keys = proposal.draft_keys  # the schedule reads them after the step
             self.last_num_draft_tokens = proposal.num_draft_tokens
             return proposal
         budget = self.budgets(batch, max_draft_tokens)  # [B]
