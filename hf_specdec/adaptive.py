@@ -443,20 +443,31 @@ class AdaptiveSchedule(SpeculationSchedule):
         self.expected = torch.cat([torch.zeros(len(keys), 1), survival.cumsum(1)], dim=1)  # [B, K + 1]
         survival = (survival * self.row_factors()[:, None]).clamp(max=1.0)
         budgets = best_width(survival, num_drafts, table, self.margin)[1]
-        if bool((budgets > 0).any()):
+        drafting = bool((budgets > 0).any())
+        if drafting:
             self.drafting_steps += 1
-            if self.explore_plain():
-                return torch.zeros_like(budgets)
+        explore = self.explore(drafting)
+        if explore is not None:
+            return num_drafts.clone() if explore else torch.zeros_like(budgets)
         return budgets
 
-    def explore_plain(self) -> bool:
-        """Static caches: whether to run a plain step now to measure its cost (drafting was chosen): after three
-        drafting steps, until `plain_samples_needed` steady plain steps are known for this batch size. The costs
-        are kept across calls, so only a model's first calls pay these few plain steps."""
-        if self.pending is None or self.drafting_steps < 3:
+    def explore(self, drafting: bool) -> bool | None:
+        """Static caches: the kind of step to run now to measure its cost (True: draft, False: plain), or None.
+
+        Calibration times eager forwards, whose first runs on a GPU carry one-time costs and whose proportions are
+        not a captured step's; so each kind is trusted only once `plain_samples_needed` of its own steady steps
+        were timed at this batch size: drafting is tried first (until measured, however poor the drafts look),
+        then, after three drafting steps, plain steps. Costs are kept across calls: only a model's first call at a
+        batch size pays these few steps."""
+        if not self.plain_samples_needed or self.pending is None:
+            return None
+        samples = self.pending.costs.at(self.pending.bucket).samples
+        if not drafting and samples.get(self.max_k + 1, 0) < self.plain_samples_needed:
+            self.drafting_steps += 1
+            return True
+        if drafting and self.drafting_steps > 3 and samples.get(1, 0) < self.plain_samples_needed:
             return False
-        steps = self.pending.costs.at(self.pending.bucket)
-        return steps.samples.get(1, 0) < self.plain_samples_needed
+        return None
 
     def observe(
         self, num_draft_tokens: torch.Tensor, num_accepted: torch.Tensor, draft_keys: torch.Tensor | None = None
