@@ -192,7 +192,7 @@ def main() -> None:
         rows = []
         for b in batches:
             if args.part == "ngram":  # prompt lookup on prompts that hold the answer
-                inputs = lookup_prompts(target, all_inputs[b], n_new)
+                inputs = lookup_prompts(target, e2e.prompts(b, args.prompt_len, ragged=False), n_new)
                 rows.append(run_setting(f"B={b} prompt lookup, answer in the prompt", target, draft, inputs, 0.0,
                                         n_new, args.rounds, method="ngram"))  # fmt: skip
                 results["rows"] = rows
