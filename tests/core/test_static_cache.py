@@ -206,13 +206,14 @@ def test_compiled_path_on_cuda_is_exact_and_compiles_once(method):
     spec = make_spec()
     compiled = spec_generate(target, inputs, spec, **gen, cache_implementation="static")
     assert torch.equal(eager, expected) and torch.equal(compiled, expected)
-    # A draft model's steps are captured whole (`hf_specdec.step_graph`); the n-gram search reads the host.
-    assert (spec.last_stats.num_graph_replays > 0) == (method == "draft")
+    # Steps are captured whole (`hf_specdec.step_graph`): prompt lookup searches on the device, and the adaptive
+    # schedule plans its steps on the host before their graphs.
+    assert spec.last_stats.num_graph_replays > 0
     graphs = compat.num_compiled_graphs()
     again = spec_generate(target, inputs, spec, **gen, cache_implementation="static")
     assert torch.equal(again, expected)
     assert compat.num_compiled_graphs() == graphs
-    assert spec.last_stats.compile_time_s < (0.5 if method == "draft" else 1e-9)  # only the step's capture
+    assert spec.last_stats.compile_time_s < 0.5  # only the step's capture
 
 
 @pytest.mark.requires_cuda
