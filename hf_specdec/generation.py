@@ -26,6 +26,7 @@ from hf_specdec.continuation import CacheHandoff, check_continuation_cache
 from hf_specdec.cache_route import choose_route, say_once
 from hf_specdec.decoding import SpeculativeLoop, StaticPlan, capture_blocker
 from hf_specdec.exact import ExactPath, needs_exact_path
+from hf_specdec.locks import compiled_call_lock
 from hf_specdec.metrics import SpecDecodeStats
 from hf_specdec.model_support import check_alibi_call, check_supported_cache
 from hf_specdec.proposers.base import Proposer
@@ -175,7 +176,9 @@ def generate(
         view_factory=_seq2seq_views(encoder),
         on_step=spec.on_step,
     )
-    result = loop.run()
+    compiled = static is not None and route.compile and static.compiled_call(model) is not None
+    with compiled_call_lock(model, compiled):  # dynamo compiles one call at a time per model (`hf_specdec.locks`)
+        result = loop.run()
     loop.proposer.finish()
     spec.last_stats = loop.stats
     if generation_config.return_dict_in_generate and encoder is not None:

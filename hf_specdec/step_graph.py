@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hf_specdec.locks import CAPTURE_LOCK
+
 #: Eager steps before a step is captured: the first step after the prefill compiles and moves the draft to its
 #: steady state (so the captured step changes host counters by the same amount every step).
 WARMUP_STEPS = 1
@@ -147,11 +149,13 @@ class StepGraph:
         tensors_before = [(o, n, t) for o, n, t in _attributes(owners, torch.Tensor)]
         hosts_before = {(id(o), n): (o, v) for o, n, v in _attributes(owners, (int, float, bool, type(None)))}
         graph = torch.cuda.CUDAGraph()
-        torch.cuda.synchronize()
         try:
-            with torch.cuda.graph(graph):
-                self.step()
-                rebinds = self._copy_back(tensors_before)
+            # One capture at a time; other threads' work goes on meanwhile and stays out of the graph (`locks`).
+            with CAPTURE_LOCK:
+                torch.cuda.synchronize()
+                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                    self.step()
+                    rebinds = self._copy_back(tensors_before)
             host_deltas = self._host_deltas(owners, hosts_before)
         except Exception as error:  # noqa: BLE001 - any refusal by CUDA graphs means: run these steps eagerly
             self._restore(tensors_before, hosts_before)
