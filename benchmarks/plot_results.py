@@ -2,7 +2,8 @@
 
 Run: `python benchmarks/plot_results.py docs/results/rejection_h100.json docs/results/e2e_h100.json --out docs`;
 `python benchmarks/plot_results.py --compiled docs/results/compiled_h100_*_captured.json --out docs` for the
-compiled static-cache path (`bench_gpu_compiled.py`).
+compiled static-cache path (`bench_gpu_compiled.py`); `--default docs/results/default_h100_b1.json ...` for the
+no-flag default (`bench_gpu_default.py`).
 """
 
 from __future__ import annotations
@@ -79,11 +80,37 @@ def plot_compiled(files: list[Path], out: Path) -> None:
     fig.savefig(out / "compiled_h100.png", dpi=110)
 
 
+def plot_default(files: list[Path], out: Path) -> None:
+    """`bench_gpu_default.py`: tokens/s of each route per setting (median of the rounds), and the default's ratio
+    to compiled plain (minimum over the rounds, the figure the goals are about)."""
+    rows = [row for f in files for row in json.loads(f.read_text())["rows"]]
+    routes = ("plain_eager", "plain_compiled", "ours_default", "ours_dynamic")
+    labels = ("plain eager", "plain compiled (static)", "hf_specdec, no flags", "hf_specdec, dynamic")
+    fig, ax = plt.subplots(figsize=(12, 4.5))
+    width = 0.2
+    for i, (route, label) in enumerate(zip(routes, labels)):
+        xs = [j + (i - 1.5) * width for j in range(len(rows))]
+        ax.bar(xs, [r["tps_median"][route] / r["tps_median"]["plain_compiled"] for r in rows], width, label=label)
+    for j, r in enumerate(rows):
+        low = r["ratios"]["ours_default_vs_plain_compiled"]["min"]
+        ax.annotate(f"min {low:.2f}x", (j + 0.5 * width, r["tps_median"]["ours_default"] / r["tps_median"]["plain_compiled"]),
+                    ha="center", va="bottom", fontsize=8)  # fmt: skip
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xticks(range(len(rows)), [r["setting"].replace(", answer in the prompt", "\n(answer in prompt)")
+                                     .replace(" sampling", "\nsampling") for r in rows], fontsize=8)  # fmt: skip
+    ax.set_ylabel("tokens/s / compiled plain's")
+    ax.set_title("hf_specdec with no flags on an H100 (8B-shaped bf16 Llama, 124M synthetic draft, 64 new tokens)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "default_h100.png", dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("rejection", nargs="?")
     parser.add_argument("e2e", nargs="?")
     parser.add_argument("--compiled", nargs="+", type=Path, default=[])
+    parser.add_argument("--default", nargs="+", type=Path, default=[], help="bench_gpu_default.py JSON files")
     parser.add_argument("--out", default="docs")
     args = parser.parse_args()
     out = Path(args.out)
@@ -93,6 +120,8 @@ def main() -> None:
         plot_e2e(json.loads(Path(args.e2e).read_text()), out)
     if args.compiled:
         plot_compiled(args.compiled, out)
+    if args.default:
+        plot_default(args.default, out)
 
 
 if __name__ == "__main__":
