@@ -31,7 +31,7 @@ import transformers
 
 import hf_specdec
 from benchmarks import bench_gpu_e2e as e2e
-from hf_specdec import adaptive
+from hf_specdec import adaptive, graph_reuse
 
 K = 4
 
@@ -52,7 +52,8 @@ def setup(batches: list[int], n_new: int, prompt_len: int) -> tuple:
 def run_setting(name: str, target, draft, inputs, alpha: float, n_new: int, rounds: int,  # noqa: ANN001
                 sample: bool = False, method: str = "draft") -> dict:  # fmt: skip
     """Interleaved rounds of every route at one setting (fresh SpecDecoders each round)."""
-    draft.alpha = alpha
+    draft.alpha = alpha  # a Python attribute its forward reads: graphs kept from another alpha would replay the old
+    graph_reuse.clear(target)
     adaptive._MEMORY.pop(target, None)  # each setting starts from what a fresh process knows about this model
     batch = inputs["input_ids"].shape[0]
     gen = dict(max_new_tokens=n_new, do_sample=sample)

@@ -396,7 +396,11 @@ class AdaptiveSchedule(SpeculationSchedule):
         step = self.pending
         if step is not None and not self.first_step and step.measured:  # a call's first step pays warm-ups
             step.costs.record(
-                step.width, step.bucket, now - step.start, drafts_separately=not self.propose_first, clip=not self.static
+                step.width,
+                step.bucket,
+                now - step.start,
+                drafts_separately=not self.propose_first,
+                clip=not self.static,
             )
         self.first_step = self.pending is None
         costs = self.costs(batch.batch_size)
@@ -404,7 +408,9 @@ class AdaptiveSchedule(SpeculationSchedule):
         if self.static:  # a static step attends over the whole static length: its cost does not follow the context
             bucket = context_bucket(1.0)
         else:
-            bucket = context_bucket(float((batch.lengths - batch.pad_lengths).float().mean()) if batch.batch_size else 0.0)
+            bucket = context_bucket(
+                float((batch.lengths - batch.pad_lengths).float().mean()) if batch.batch_size else 0.0
+            )
         self.pending = _Step(costs, bucket, time.perf_counter())
         full = torch.full((batch.batch_size,), self.max_k, dtype=torch.long)  # [B]
         if self.propose_first and not self.static:  # chosen after proposing, from the drafts' keys (`trim`)

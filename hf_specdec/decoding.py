@@ -135,7 +135,9 @@ class SpeculativeLoop:
             self.target = StaticCacheView(model, total, batch.pad_lengths, static)
             if capturable:  # planned steps (host decisions, then device work); captured on a GPU
                 description = f"a speculative step of {type(model).__name__}"
-                self.step_graph = StepGraph(self, self.device_step, description, capture=static.capture_steps)
+                self.step_graph = StepGraph(
+                    self, self.device_step, description, static.capture_steps, model, self._graph_signature()
+                )
         self.handoff = handoff  # adopts a filled past_key_values; keeps leaving rows' caches to hand back
         if handoff is not None:
             handoff.adopt(self.target)
@@ -170,8 +172,30 @@ class SpeculativeLoop:
                 self.step()
         finally:
             self.proposer.detach()
+            if self.step_graph is not None:
+                self.step_graph.finish()  # its graphs serve the next call with the same shapes (`graph_reuse`)
         self.stats.wall_time_s = time.perf_counter() - start
         return self.finish()
+
+    def _graph_signature(self) -> tuple:
+        """Everything a captured step bakes in besides its state tensors: shapes, Python numbers, the models and the
+        sampling and stopping settings. Calls with equal signatures can replay each other's graphs."""
+        from hf_specdec.adaptive import model_serial
+
+        def settings(obj: object) -> tuple:  # a processor or a proposer: its type and its scalar settings
+            values = vars(obj).items()
+            return (type(obj).__name__, tuple(sorted((k, v) for k, v in values if isinstance(v, (int, float, str)))))
+
+        inner = getattr(self.proposer, "inner", self.proposer)
+        models = tuple(model_serial(m) for m in vars(inner).values() if isinstance(m, torch.nn.Module))
+        stops = self.stop_rules
+        eos = tuple(stops.eos_token_ids.tolist()) if stops.eos_token_ids is not None else None
+        return (
+            model_serial(self.model), self.batch.batch_size, self.batch.capacity, self.max_length, self.k,
+            self.static.max_columns, str(self.batch.device), self.sampling.do_sample,
+            tuple(settings(p) for p in self.sampling.pure), eos, tuple(stops.max_lengths), stops.pad_token_id,
+            settings(self.proposer), settings(inner), models, type(self.proposer.schedule).__name__,
+        )  # fmt: skip
 
     def live(self) -> bool:
         """Whether any row still generates (host state only: no sync)."""
@@ -206,7 +230,9 @@ class SpeculativeLoop:
             return seconds
 
         seconds = timed()
-        if self.batch.device.type == "cuda" or (self.static is not None and self.static.compile_time_s != compiled_before):
+        if self.batch.device.type == "cuda" or (
+            self.static is not None and self.static.compile_time_s != compiled_before
+        ):
             # The first forward of a width on a GPU pays one-time costs (cuBLAS / attention plans for the shape:
             # 0.9 s against 30 ms measured on an H100), or it compiled this width's graph: time the forward itself.
             seconds = timed()

@@ -21,9 +21,9 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEnc
 
 from hf_specdec import compat
 from hf_specdec.batch import RaggedBatch
+from hf_specdec.cache_route import choose_route, say_once
 from hf_specdec.config import MAX_SPECULATIVE_TOKENS, SpecDecoder
 from hf_specdec.continuation import CacheHandoff, check_continuation_cache
-from hf_specdec.cache_route import choose_route, say_once
 from hf_specdec.decoding import SpeculativeLoop, StaticPlan, capture_blocker
 from hf_specdec.exact import ExactPath, needs_exact_path
 from hf_specdec.locks import compiled_call_lock

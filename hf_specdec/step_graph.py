@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hf_specdec import graph_reuse
 from hf_specdec.locks import CAPTURE_LOCK
 
 #: Eager steps before a step is captured: the first step after the prefill compiles and moves the draft to its
@@ -75,6 +76,7 @@ class UncapturableStep(RuntimeError):
 class _Captured:
     graph: torch.cuda.CUDAGraph
     host_deltas: list[tuple[object, str, int]]  # (owner, attribute, change per replay)
+    delta_paths: list[tuple[str, str, int]]  # the same by owner path (`graph_reuse`: for a later call's owners)
 
 
 class StepGraph:
@@ -87,8 +89,20 @@ class StepGraph:
     #: make every rebound tensor look shared with other state at the next capture)
     step_bookkeeping = True
 
-    def __init__(self, root: object, step: Callable[[], None], description: str, capture: bool = True) -> None:
+    def __init__(
+        self,
+        root: object,
+        step: Callable[[], None],
+        description: str,
+        capture: bool = True,
+        model: object = None,
+        signature: Hashable | None = None,
+    ) -> None:
         self.root = root
+        self.model = model  # graphs are kept across calls per model and `signature` (`hf_specdec.graph_reuse`)
+        self.signature = signature
+        self.entry: graph_reuse.Entry | None = None  # the kept graphs this call adopted
+        self.reuse_tried = False
         self.capture = capture  # False (no GPU, or compiling switched off): every step runs eagerly
         self.step = step
         self.description = description  # what is captured, for the warning when it cannot be
@@ -108,6 +122,8 @@ class StepGraph:
             self._eager(key)
             self.steady = fits
             return
+        if not self.reuse_tried:
+            self._reuse()
         captured = self.graphs.get(key)
         self.steady = captured is not None
         if captured is None:
@@ -123,6 +139,37 @@ class StepGraph:
         self.replays += 1
         for owner, name, delta in captured.host_deltas:
             setattr(owner, name, getattr(owner, name) + delta)
+
+    def _reuse(self) -> None:
+        """Adopt the graphs a finished call kept for this signature, if any is free (`hf_specdec.graph_reuse`)."""
+        self.reuse_tried = True
+        if self.signature is None or self.model is None:
+            return
+        entry = graph_reuse.checkout(self.model, self.signature)
+        if entry is None:
+            return
+        if not graph_reuse.adopt(entry, self.root):
+            graph_reuse.keep(self.model, entry)  # frees it
+            return
+        self.entry = entry
+        owners = graph_reuse.owners_by_path(self.root)
+        for key, kept in entry.graphs.items():
+            deltas = [(owners[path], name, delta) for path, name, delta in kept.delta_paths]
+            self.graphs[key] = _Captured(kept.graph, deltas, kept.delta_paths)
+        self.rebinds = [_Rebind(owners[path], name, getattr(owners[path], name)) for path, name in entry.rebind_paths]
+
+    def finish(self) -> None:
+        """The call ends: keep its graphs (and the state they read) for a later call with the same signature."""
+        if self.signature is None or self.model is None or not self.graphs:
+            return
+        entry = self.entry or graph_reuse.Entry(self.signature, self.root)
+        if self.entry is not None:  # this loop now owns every tensor the kept graphs and the new ones read
+            entry.keepalive.append(entry.root)
+            entry.root = self.root
+        paths = {id(owner): path for path, owner in graph_reuse.owners_by_path(self.root).items()}
+        entry.graphs = dict(self.graphs)
+        entry.rebind_paths = [(paths[id(r.owner)], r.name) for r in self.rebinds if id(r.owner) in paths]
+        graph_reuse.keep(self.model, entry)
 
     def host_change(self, owner: object, name: str) -> int:
         """The most any captured step moves host counter `owner.name` (0 when none does)."""
@@ -165,7 +212,9 @@ class StepGraph:
         self._restore(tensors_before, hosts_before, keep=rebinds)
         known = {(id(r.owner), r.name) for r in self.rebinds}
         self.rebinds += [r for r in rebinds if (id(r.owner), r.name) not in known]
-        captured = self.graphs[key] = _Captured(graph, host_deltas)
+        paths = {id(owner): path for path, owner in graph_reuse.owners_by_path(self.root).items()}
+        delta_paths = [(paths[id(o)], n, d) for o, n, d in host_deltas]
+        captured = self.graphs[key] = _Captured(graph, host_deltas, delta_paths)
         self.capture_time_s += time.perf_counter() - start
         return captured
 

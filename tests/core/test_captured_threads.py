@@ -42,7 +42,9 @@ def test_eight_threads_on_the_captured_path_give_lone_outputs(cache_implementati
     to the same call made alone (the default captured path; and the compiled static path, serialised per model)."""
     target = make_model("llama", seed=0).cuda()
     draft = make_noisy_copy(target).cuda()
-    spec = hf_specdec.SpecDecoder(draft_model=draft, num_speculative_tokens=3, num_speculative_tokens_schedule="constant")
+    spec = hf_specdec.SpecDecoder(
+        draft_model=draft, num_speculative_tokens=3, num_speculative_tokens_schedule="constant"
+    )
     gen = dict(max_new_tokens=16, do_sample=False, eos_token_id=None)
     if cache_implementation:
         gen["cache_implementation"] = cache_implementation

@@ -1,0 +1,165 @@
+"""Captured step graphs kept across calls: a later call with the same shapes replays them, with no warm-up or capture.
+
+A `StepGraph`'s graphs read fixed addresses: the loop's state tensors (the *homes*) and its static caches. When a call
+ends, its graphs and its loop (which owns those tensors) are kept per target model under the call's *signature*:
+everything a graph bakes in (batch size, `max_length`, k, cache length, the models, dtypes, sampling and stopping
+settings). A later call with the same signature copies its own state into the homes and points its attributes at
+them (`adopt`), then replays. One call at a time uses an entry (a concurrent call with the same signature captures
+its own); at most `MAX_ENTRIES` are kept per model, the oldest dropped; `HF_SPECDEC_REUSE_GRAPHS=0` turns reuse off;
+`clear(model)` drops a model's entries (needed only after changing Python attributes that its forward reads).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache
+
+REUSE_ENV = "HF_SPECDEC_REUSE_GRAPHS"
+MAX_ENTRIES = 4
+
+Slot = tuple[object, str, Any]  # (owner, attribute, value)
+
+
+@dataclass
+class Entry:
+    """A finished call's graphs, kept for the next call with the same signature."""
+
+    signature: Hashable
+    root: object  # the loop whose tensors and caches the graphs read (kept alive with them)
+    graphs: dict = field(default_factory=dict)  # key -> captured step (host deltas by owner path)
+    rebind_paths: list[tuple[str, str]] = field(default_factory=list)  # (owner path, attribute) replaced each step
+    keepalive: list[object] = field(default_factory=list)  # earlier calls' loops (objects their graphs may read)
+    in_use: bool = False
+
+
+_ENTRIES: weakref.WeakKeyDictionary[object, list[Entry]] = weakref.WeakKeyDictionary()
+_LOCK = threading.Lock()
+
+
+def enabled() -> bool:
+    return os.environ.get(REUSE_ENV, "1") != "0"
+
+
+def owners_by_path(root: object) -> dict[str, object]:
+    """`root` ("") and every hf_specdec object reachable from it, by attribute path (as `state_owners` walks)."""
+    found: dict[str, object] = {}
+    seen: set[int] = set()
+
+    def visit(value: object, path: str) -> None:
+        if isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                visit(item, f"{path}[{i}]")
+            return
+        if not type(value).__module__.startswith("hf_specdec") or id(value) in seen or not hasattr(value, "__dict__"):
+            return
+        if getattr(value, "step_bookkeeping", False):
+            return
+        seen.add(id(value))
+        found[path] = value
+        for name, attribute in vars(value).items():
+            visit(attribute, f"{path}.{name}")
+
+    visit(root, "")
+    return found
+
+
+def state_slots(root: object) -> dict[tuple[str, str], Slot]:
+    """Every tensor or transformers `Cache` attribute of the objects reachable from `root`, by (owner path, name)."""
+    return {
+        (path, name): (owner, name, value)
+        for path, owner in owners_by_path(root).items()
+        for name, value in vars(owner).items()
+        if isinstance(value, (torch.Tensor, Cache))
+    }
+
+
+def checkout(model: object, signature: Hashable) -> Entry | None:
+    """A free entry of `model` with this signature, now in use by the caller; None if there is none."""
+    if not enabled():
+        return None
+    with _LOCK:
+        for entry in _ENTRIES.get(model, []):
+            if entry.signature == signature and not entry.in_use:
+                entry.in_use = True
+                return entry
+    return None
+
+
+def keep(model: object, entry: Entry) -> None:
+    """Keep a call's entry for later calls (and free it); the oldest goes past `MAX_ENTRIES`, a duplicate is dropped."""
+    if not enabled():
+        return
+    with _LOCK:
+        entry.in_use = False
+        entries = _ENTRIES.setdefault(model, [])
+        if entry in entries:
+            return
+        if any(e.signature == entry.signature for e in entries):
+            return  # a concurrent call kept one for this signature first
+        entries.append(entry)
+        del entries[:-MAX_ENTRIES]
+
+
+def clear(model: object) -> None:
+    """Drop `model`'s kept graphs (and the caches they hold)."""
+    with _LOCK:
+        _ENTRIES.pop(model, None)
+
+
+def _layers(cache: Cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(layer.keys, layer.values) for layer in cache.layers if getattr(layer, "keys", None) is not None]
+
+
+def _matches(old: Any, new: Any) -> bool:
+    if isinstance(old, torch.Tensor):
+        return (
+            isinstance(new, torch.Tensor)
+            and old.shape == new.shape
+            and old.dtype == new.dtype
+            and old.device == new.device
+        )
+    if isinstance(old, Cache):
+        if type(new) is not type(old):
+            return False
+        old_layers, new_layers = _layers(old), _layers(new)
+        return len(old_layers) == len(new_layers) and all(
+            _matches(a, b) for pair, other in zip(old_layers, new_layers) for a, b in zip(pair, other)
+        )
+    return False
+
+
+def adopt(entry: Entry, root: object) -> bool:
+    """Move a new call's state into the entry's tensors and caches, so that the entry's graphs read it.
+
+    Every slot of the entry's loop must be in the new loop with the same shape, dtype and device (or, for a tensor
+    the step writes before reading, not set yet); otherwise nothing changes and False is returned."""
+    old_slots, new_slots = state_slots(entry.root), state_slots(root)
+    new_owners = owners_by_path(root)
+    if set(new_slots) - set(old_slots):
+        return False
+    for (path, name), (_, _, old) in old_slots.items():
+        if (path, name) in new_slots:
+            if not _matches(old, new_slots[(path, name)][2]):
+                return False
+        elif path not in new_owners or getattr(new_owners[path], name, 0) is not None:
+            return False
+    copied: set[int] = set()
+    for (path, name), (_, _, old) in old_slots.items():
+        slot = new_slots.get((path, name))
+        if slot is not None and id(old) not in copied:
+            copied.add(id(old))
+            if isinstance(old, torch.Tensor):
+                old.copy_(slot[2])
+            else:  # a static cache: the prefill's keys and values
+                for (old_k, old_v), (new_k, new_v) in zip(_layers(old), _layers(slot[2])):
+                    old_k.copy_(new_k)
+                    old_v.copy_(new_v)
+        setattr(new_owners[path], name, old)
+    return True
