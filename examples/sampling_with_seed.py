@@ -1,7 +1,8 @@
 """Reproducible sampling with speculative decoding: `SpecDecoder(seed=...)` fixes every random draw.
 
 Speculative sampling (rejection sampling against the draft) keeps the target's output distribution exactly.
-Row i of a batch uses seed + i, so a row's text depends only on its prompt and seed, not on the batch around it.
+Row i of a batch uses seed + i, so a row's draws depend only on its seed, not on the batch around it (its text too,
+unless a draw falls within the last bits that batching moves in the logits: docs/usage.md).
 That takes a fixed number of drafts per step: the default adaptive schedule picks draft lengths from step times
 measured on this machine, which changes the draws from run to run (never their distribution).
 

@@ -77,11 +77,13 @@ class SpecDecoder:
         seed (`int` or `list[int]`, *optional*):
             Seed of the sampling draws, each in 0..2**63 - 1. An int gives row i of a batch the seed
             `seed + i`; a list gives one seed per row (its length must be the batch size), so the same
-            request can keep its seed at any position of any batch. A row's output depends only on its
-            seed and its prompt, never on the other rows (with the `"constant"` or `"heuristic_transient"`
-            schedule and no `draft_confidence_threshold`; the others choose draft lengths from measured
-            step times, earlier calls or the whole batch's history, which changes the draws but never the
-            distribution). Without a seed, seeds are drawn from torch's global generator (so
+            request can keep its seed at any position of any batch. A row's draws depend only on its seed,
+            never on the other rows, and so does its output (with the `"constant"` or `"heuristic_transient"`
+            schedule and no `draft_confidence_threshold`), except where a draw is decided within the last bits
+            that another batch shape or left padding moves in the logits, e.g. at a top-p cut-off (docs/usage.md,
+            "Seeds and reproducibility"). The other schedules choose draft lengths from measured step times,
+            earlier calls or the whole batch's history, which changes the draws but never the
+            distribution. Without a seed, seeds are drawn from torch's global generator (so
             `torch.manual_seed` makes runs reproducible).
         tokenizer (`PreTrainedTokenizerBase`, *optional*):
             Needed for `stop_strings`; `generate` does not forward its `tokenizer` to custom decoders.

@@ -8,7 +8,9 @@ own speculation arguments here.
 
 from __future__ import annotations
 
+import inspect
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -99,6 +101,17 @@ def generate(
     check_speculation_type(getattr(generation_config, "speculation_type", None), spec)
     check_recurrent_call(model, spec, generation_config, model_kwargs)
     streamer = spec_streamer if spec_streamer is not None else spec.streamer
+    dropped = _streamer_transformers_kept(inspect.currentframe())
+    prompt_streamed = dropped is not None and dropped is streamer  # generate already put the prompt into it
+    if dropped is not None and dropped is not streamer:
+        warnings.warn(
+            "model.generate(streamer=...) was called with custom_generate=hf_specdec.generate: transformers streamed "
+            "the prompt but does not pass the streamer on to a custom_generate callable, so it gets nothing more "
+            "from this call. Pass it as spec_streamer=streamer (or SpecDecoder(streamer=...), or call "
+            "hf_specdec.install() and pass streamer= without custom_generate=).",
+            UserWarning,
+            stacklevel=3,
+        )
     tokenizer = spec_tokenizer if spec_tokenizer is not None else spec.tokenizer
     if spec_stop_strings is not None:
         if tokenizer is None:
@@ -108,7 +121,7 @@ def generate(
         stopping_criteria = StoppingCriteriaList(
             [*stopping_criteria, StopStringCriteria(tokenizer=tokenizer, stop_strings=spec_stop_strings)]
         )
-    if streamer is not None:
+    if streamer is not None and not prompt_streamed:
         streamer.put(input_ids.cpu())
 
     encoder = None
@@ -194,6 +207,39 @@ def generate(
             spec_stats=loop.stats,
         )
     return result.sequences
+
+
+def _streamer_transformers_kept(frame: Any) -> Any:
+    """The `streamer=` of the `GenerationMixin.generate` call that called this `custom_generate` callable, or None.
+
+    transformers' `generate` puts the prompt into its `streamer` and then calls a `custom_generate` callable
+    without it (it forwards only the callable's own extra parameters). The streamer is still a local of that
+    `generate` frame, read here only to warn the caller (`frame` is `hf_specdec.generate`'s own frame; a wrapper
+    or two in between are allowed) and never to stream into it: streaming would make the output depend on
+    transformers' private locals. Returns None when no such call is on the stack, or it had no streamer (as in
+    `install()`'s routed calls and the `custom_generate` Hub repository, which pass `spec_streamer=` instead).
+    """
+    try:
+        for _ in range(4):
+            frame = frame.f_back if frame is not None else None
+            if frame is None:
+                return None
+            code = frame.f_code
+            if code.co_name == "generate" and code.co_filename == _TRANSFORMERS_GENERATE_FILE:
+                found = frame.f_locals
+                return found.get("streamer") if callable(found.get("custom_generate")) else None
+        return None
+    finally:
+        del frame  # frames hold their locals: drop the reference at once
+
+
+def _transformers_generate_file() -> str:
+    from transformers.generation import utils
+
+    return utils.__file__
+
+
+_TRANSFORMERS_GENERATE_FILE = _transformers_generate_file()
 
 
 #: Set to 0 to keep static-cache steps uncaptured (a compiled forward per model call, each its own CUDA graph).

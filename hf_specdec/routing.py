@@ -49,7 +49,10 @@ def is_installed() -> bool:
 def _routed_generate(original):  # noqa: ANN001, ANN202
     @functools.wraps(original)
     def generate_with_speculation(self, *args: Any, **kwargs: Any):  # noqa: ANN001, ANN202
-        if kwargs.get("custom_generate") is not None:  # the caller chose its decoder: leave the call as it is
+        if kwargs.get("custom_generate") is not None:  # the caller chose its decoder: leave the call as it is,
+            if kwargs["custom_generate"] is generate and kwargs.get("spec_streamer") is None:
+                # but for ours, stream into streamer= (transformers would not pass it on)
+                kwargs["spec_streamer"] = kwargs.pop("streamer", None)
             return original(self, *args, **kwargs)
         spec = _spec_from_kwargs(self, kwargs)
         if spec is None:

@@ -11,6 +11,7 @@ the `generate` call runs.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Any
 
@@ -174,7 +175,11 @@ class MTPProposer(Proposer):
     # --- the target's hidden states ----------------------------------------------------------------
 
     def attach(self, target: PreTrainedModel) -> None:
+        owner = threading.get_ident()
+
         def capture(module: torch.nn.Module, args: Any, output: Any) -> None:
+            if threading.get_ident() != owner:  # another thread's call (or plain generate) on the shared model
+                return
             hidden = getattr(output, "last_hidden_state", None)
             self._captured = hidden if hidden is not None else output[0]
 

@@ -9,6 +9,7 @@ cache object, its input width and its outputs; they live only while the `generat
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -47,9 +48,11 @@ class VerifyCapture:
         self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # cache layer -> keys, values [B, h, W, D]
         self.count = 0  # forwards seen
         self._handles: list[Any] = []
+        self._owner: int | None = None  # the thread whose forwards the hooks record (`attach`)
 
     def attach(self) -> None:
         self.detach()
+        self._owner = threading.get_ident()  # the hooks record only this thread's forwards: the model may be shared
         self._handles.append(self.decoder.register_forward_pre_hook(self._before, with_kwargs=True))
         if self.keep_last_hidden or self.cache_layers:
             self._handles.append(self.decoder.register_forward_hook(self._after))
@@ -62,7 +65,13 @@ class VerifyCapture:
             handle.remove()
         self._handles = []
 
+    def _mine(self) -> bool:
+        """Whether the running forward is this call's (not another thread's call on the same model)."""
+        return threading.get_ident() == self._owner
+
     def _before(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if not self._mine():
+            return
         self.attention_mask = kwargs.get("attention_mask")
         self.cache = compat.get_cache(kwargs)
         fed = kwargs.get("input_ids")
@@ -75,6 +84,8 @@ class VerifyCapture:
         self.count += 1
 
     def _after(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        if not self._mine():
+            return
         hidden = getattr(output, "last_hidden_state", None)
         self.last_hidden = hidden if hidden is not None else output[0]
         # Rollback replaces a layer's tensors (crop slices, compaction gathers) and never writes into them.
@@ -82,6 +93,8 @@ class VerifyCapture:
 
     def _layer_hook(self, layer_id: int):  # noqa: ANN202
         def keep(module: torch.nn.Module, args: tuple, output: Any) -> None:
+            if not self._mine():
+                return
             self.layer_outputs[layer_id] = output if isinstance(output, torch.Tensor) else output[0]
 
         return keep

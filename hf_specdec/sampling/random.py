@@ -3,7 +3,8 @@
 Every value is a pure function of (seed, step, stream, index) — a splitmix64 hash computed in torch int64
 arithmetic on the seeds' device — so a row's draws never depend on the batch it shares, its position in that
 batch, the batch size or the device. This is what makes batched speculative decoding reproducible row by row:
-the same seed gives the same text whether the request runs alone or among others.
+the same seed gives the same draws whether the request runs alone or among others (and the same text, unless a
+draw is decided within the last bits that batching moves in the logits: docs/usage.md, "Seeds and reproducibility").
 """
 
 from __future__ import annotations

@@ -4,14 +4,16 @@ Type a prompt (or pick an example: answers that copy from the prompt, where prom
 where it cannot), press Generate: plain decoding streams into the left box, then hf_specdec into the right one,
 each token coloured by how it came (a draft the target accepted, the target's token after a rejected draft, the
 bonus token after all drafts were accepted, a plain decoding step). Below: tokens/s of each, the speedup,
-acceptance, mean accepted length and whether the two outputs are identical. They run one after the other so that
-each has the machine to itself: the timings are honest.
+acceptance, mean accepted length and whether the two outputs are identical. Within a request they run one after
+the other; several requests run at once on the same model (`CONCURRENCY_LIMIT`, default 4), and when they overlap
+the statistics say that their timings shared the machine.
 
     pip install -e ".[space]" && python spaces/hf_specdec_demo/app.py   # http://127.0.0.1:7860
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -31,6 +33,9 @@ from hf_specdec.tools.prompts import DEMO_PROMPTS, encode_batch  # noqa: E402
 from hf_specdec.tools.smollm import load_smollm2  # noqa: E402
 from hf_specdec.tools.threads import configure_threads  # noqa: E402
 
+#: Requests served at once (Gradio's concurrency_limit of the Generate event); `CONCURRENCY_LIMIT` overrides it.
+CONCURRENCY_LIMIT = int(os.environ.get("CONCURRENCY_LIMIT", "4"))
+
 #: Colours of the four ways a speculative token comes (HighlightedText categories).
 KIND_COLORS = {"accepted": "#7bd88f", "recovered": "#ff9e64", "bonus": "#7aa2f7", "plain": "#d0d0d0"}
 LABELS = {"accepted": "accepted draft", "recovered": "recovered", "bonus": "bonus", "plain": "plain step"}
@@ -43,6 +48,68 @@ MODEL, TOKENIZER = load_smollm2(device=DEVICE)
 # verify widths (a few short calls; see `hf_specdec.tools.benchmarking.warm_up`).
 for _method in ("plain", "ngram-adaptive"):
     warm_up(MODEL, TOKENIZER, [DEMO_PROMPTS[0].text], _method, k=8)
+
+
+# State shared by concurrent requests. The model and SpecDecoders are safe to share (docs/usage.md, "Concurrency");
+# these are not:
+# - a fast tokenizer's `__call__` sets its padding options on the Rust tokenizer, which raises "Already borrowed"
+#   while another thread is encoding: encoding takes `_ENCODE_LOCK`;
+# - plain sampling draws from torch's global generator, seeded per request: a sampled plain run holds
+#   `_GLOBAL_RNG_LOCK` from its `manual_seed` to its last draw, and the hf_specdec runs always pass their own seed
+#   (so they never touch the global generator);
+# - `_active` counts the requests running now, so that overlapping timings are flagged.
+_ENCODE_LOCK = threading.Lock()
+_GLOBAL_RNG_LOCK = threading.Lock()
+_ACTIVE_LOCK = threading.Lock()
+_active = 0
+#: Chips sit flush, so that the spaces and word pieces of the text read as text ("Dr. Alice Moreno", not
+#: "Dr . Alice More no"); Gradio's default gives every highlighted token a margin.
+CSS = "#spec_output .token.highlighted { margin: 0 !important; padding: 0 !important; border-radius: 0 !important; }"
+
+
+class TokenChips:
+    """The coloured chips of a stream of tokens, whose texts join into exactly the decoded text.
+
+    Decoding each token alone loses what depends on its neighbours (a SentencePiece word's leading space, a
+    character whose bytes span several tokens). Instead, as transformers' `TextStreamer` does, the output so far is
+    decoded after each token and the token's chip gets the text it added. A token that ends inside a character
+    adds nothing yet: the chip of the token that completes the character carries it, with that token's kind.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self.text = ""
+        self.spans: list[tuple[str, str | None]] = []
+
+    def add(self, token: int, label: str) -> None:
+        self.tokens.append(int(token))
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # an incomplete character: wait for the token that completes it
+            return
+        piece, self.text = text[len(self.text) :], text
+        if piece:
+            self.spans.append((piece, label))
+
+
+class _Overlap:
+    """Counts this request among the running ones; `shared` tells whether another one ran at any time during it."""
+
+    def __enter__(self) -> _Overlap:
+        global _active
+        with _ACTIVE_LOCK:
+            _active += 1
+            self.shared = _active > 1
+        return self
+
+    def check(self) -> None:
+        with _ACTIVE_LOCK:
+            self.shared = self.shared or _active > 1
+
+    def __exit__(self, *exc: object) -> None:
+        global _active
+        with _ACTIVE_LOCK:
+            _active -= 1
 
 
 def _settings(max_new_tokens: int, sampling: bool, temperature: float) -> dict[str, Any]:
@@ -70,20 +137,37 @@ def compare(
     """Stream plain generate, then hf_specdec; yield (plain text, coloured speculative text, stats markdown)."""
     if not prompt.strip():
         raise gr.Error("Type a prompt first (or pick an example below).")
-    inputs = encode_batch(TOKENIZER, [prompt], MODEL.device)
+    with _ENCODE_LOCK:
+        inputs = encode_batch(TOKENIZER, [prompt], MODEL.device)
     settings = _settings(max_new_tokens, sampling, temperature)
     width = inputs["input_ids"].shape[1]
+    with _Overlap() as overlap:
+        yield from _compare(inputs, width, settings, method, schedule, k, sampling, seed, overlap)
 
+
+def _compare(
+    inputs: dict[str, Any],
+    width: int,
+    settings: dict[str, Any],
+    method: str,
+    schedule: str,
+    k: int,
+    sampling: bool,
+    seed: int,
+    overlap: _Overlap,
+) -> Iterator[tuple[str, list[tuple[str, str | None]], str]]:
+    """`compare`'s two runs, for one encoded prompt, counted among the running requests by `overlap`."""
     # 1. plain generate, streamed
     streamer = TextIteratorStreamer(TOKENIZER, skip_prompt=True, skip_special_tokens=True)
     plain: dict[str, Any] = {}
 
     def run_plain() -> None:
-        torch.manual_seed(int(seed))
-        start = time.perf_counter()
-        with torch.inference_mode():
-            out = MODEL.generate(**inputs, **settings, streamer=streamer)
-        plain.update(seconds=time.perf_counter() - start, tokens=out[0, width:].tolist())
+        with _GLOBAL_RNG_LOCK if sampling else contextlib.nullcontext():
+            torch.manual_seed(int(seed))
+            start = time.perf_counter()
+            with torch.inference_mode():
+                out = MODEL.generate(**inputs, **settings, streamer=streamer)
+            plain.update(seconds=time.perf_counter() - start, tokens=out[0, width:].tolist())
 
     thread = _run_in_thread(run_plain)
     text = ""
@@ -100,7 +184,7 @@ def compare(
         method="ngram" if method.startswith("prompt lookup") else method,
         num_speculative_tokens=int(k),
         num_speculative_tokens_schedule=schedule,
-        seed=int(seed) if sampling else None,
+        seed=int(seed) if sampling else 0,  # greedy draws nothing; a seed keeps it off torch's global generator
         on_step=records.append,
     )
 
@@ -112,23 +196,23 @@ def compare(
 
     thread = _run_in_thread(run_spec)
     shown = 0
-    spans: list[tuple[str, str | None]] = []
+    chips = TokenChips(TOKENIZER)
     while thread.is_alive() or shown < len(records):
         while shown < len(records):
             record = records[shown]
             shown += 1
             for tokens, kinds in ((record.tokens[i], record.kinds(i)) for i in range(len(record.row_ids))):
                 for token, kind in zip(tokens, kinds):
-                    piece = TOKENIZER.decode([token], skip_special_tokens=True)
-                    if piece:
-                        spans.append((piece, LABELS[kind]))
-        yield plain_text, spans, "hf_specdec running..."
+                    chips.add(token, LABELS[kind])
+        overlap.check()
+        yield plain_text, list(chips.spans), "hf_specdec running..."
         time.sleep(0.05)
     thread.join()
-    yield plain_text, spans, _stats_markdown(plain, spec_out, spec.last_stats)
+    overlap.check()
+    yield plain_text, list(chips.spans), _stats_markdown(plain, spec_out, spec.last_stats, overlap.shared)
 
 
-def _stats_markdown(plain: dict[str, Any], spec_out: dict[str, Any], stats: Any) -> str:
+def _stats_markdown(plain: dict[str, Any], spec_out: dict[str, Any], stats: Any, shared: bool = False) -> str:
     plain_tps = len(plain["tokens"]) / plain["seconds"]
     spec_tps = len(spec_out["tokens"]) / spec_out["seconds"]
     same = plain["tokens"] == spec_out["tokens"]
@@ -137,6 +221,7 @@ def _stats_markdown(plain: dict[str, Any], spec_out: dict[str, Any], stats: Any)
         f"**speedup {plain['seconds'] / spec_out['seconds']:.2f}x** · acceptance {stats.acceptance_rate:.2f} · "
         f"mean accepted length {stats.mean_accepted_length:.2f} · "
         f"identical outputs: **{'yes' if same else 'no (sampling draws differ; the distribution is the same)'}**"
+        + (" · timings shared the machine with another request" if shared else "")
     )
 
 
@@ -171,11 +256,12 @@ def build_app() -> gr.Blocks:
             compare,
             inputs=[prompt, method, schedule, k, max_new_tokens, sampling, temperature, seed],
             outputs=[plain_box, spec_box, stats],
+            concurrency_limit=CONCURRENCY_LIMIT,
         )
     return app
 
 
 if __name__ == "__main__":
-    build_app().queue().launch(
-        server_name=os.environ.get("HOST", "127.0.0.1"), server_port=int(os.environ.get("PORT", 7860))
+    build_app().queue(default_concurrency_limit=CONCURRENCY_LIMIT).launch(
+        server_name=os.environ.get("HOST", "127.0.0.1"), server_port=int(os.environ.get("PORT", 7860)), css=CSS
     )

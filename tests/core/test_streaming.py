@@ -104,3 +104,46 @@ def test_text_iterator_streamer_matches_plain_generate(target, spec_kwargs, form
     assert torch.equal(out, expected)
     assert text == expected_text == tokenizer.decode(expected[0, inputs["input_ids"].shape[1] :])
     assert len(text) > 0
+
+
+def test_streamer_with_custom_generate_warns_once_naming_spec_streamer(target):
+    """transformers streams the prompt into `streamer=` and keeps it from a custom_generate callable: say so, once."""
+    inputs = make_prompts(2, seed=3)
+    kwargs = dict(do_sample=False, max_new_tokens=MAX_NEW)
+    plain = RecordingStreamer()
+    expected = target.generate(**inputs, streamer=plain, **kwargs)
+    streamer = RecordingStreamer()
+    spec = hf_specdec.SpecDecoder(method="ngram", num_speculative_tokens=4)
+    with pytest.warns(UserWarning, match=r"spec_streamer=streamer") as caught:
+        out = target.generate(
+            **inputs, streamer=streamer, custom_generate=hf_specdec.generate, spec_decoder=spec, **kwargs
+        )
+    assert torch.equal(out, expected)
+    assert sum("spec_streamer" in str(w.message) for w in caught) == 1  # once per call, not once per step
+    assert streamer.puts == plain.puts[:1]  # only transformers' own put of the prompt
+    assert len(plain.puts) == MAX_NEW + 1
+
+
+@pytest.mark.parametrize("form", ["both_names", "install"])
+def test_streamer_with_custom_generate_streams_when_named_or_installed(target, form, recwarn):
+    """`streamer=s, spec_streamer=s` (the prompt is not put twice), and `install()` + `custom_generate=` +
+    `streamer=`: the streamer gets exactly plain's puts and nothing warns."""
+    inputs = make_prompts(2, seed=4)
+    kwargs = dict(do_sample=False, max_new_tokens=MAX_NEW)
+    plain = RecordingStreamer()
+    expected = target.generate(**inputs, streamer=plain, **kwargs)
+    streamer = RecordingStreamer()
+    spec = hf_specdec.SpecDecoder(method="ngram", num_speculative_tokens=4)
+    call = dict(streamer=streamer, custom_generate=hf_specdec.generate, spec_decoder=spec, **kwargs)
+    if form == "both_names":
+        out = target.generate(**inputs, spec_streamer=streamer, **call)
+    else:
+        hf_specdec.install()
+        try:
+            out = target.generate(**inputs, **call)
+        finally:
+            hf_specdec.uninstall()
+    assert torch.equal(out, expected)
+    assert streamer.puts == plain.puts
+    assert streamer.ends == 1
+    assert not [w for w in recwarn if "spec_streamer" in str(w.message)]

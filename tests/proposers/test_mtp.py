@@ -214,3 +214,32 @@ def test_the_hook_is_removed_even_when_the_call_fails(mtp_target) -> None:
     assert not decoder._forward_hooks
     spec_generate(model, make_prompts(1), spec, max_new_tokens=4)
     assert not decoder._forward_hooks
+
+
+def test_threads_sharing_the_target_and_a_spec_decoder_get_plain_output(mtp_target) -> None:
+    """The MTP proposer reads the target's hidden states through a hook on the shared decoder: it must record only
+    its own thread's forwards (six threads, one SpecDecoder, and a plain `generate` running beside them)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    model, mtp = mtp_target
+    greedy = dict(do_sample=False, max_new_tokens=12)
+    shapes = [(1, 11), (3, 12), (2, 13), (1, 14), (3, 15), (2, 16)]
+    plain = {shape: model.generate(**make_prompts(*shape), **greedy) for shape in shapes}
+    spec = hf_specdec.SpecDecoder(method="mtp", num_speculative_tokens=2, mtp_model=mtp)
+    start = threading.Barrier(len(shapes) + 1)
+
+    def client(index: int) -> list[bool]:
+        start.wait()
+        calls = (shapes[index], shapes[(index + 3) % len(shapes)])
+        return [torch.equal(spec_generate(model, make_prompts(*s), spec, **greedy), plain[s]) for s in calls]
+
+    def plain_client() -> list[bool]:
+        start.wait()
+        return [torch.equal(model.generate(**make_prompts(*s), **greedy), plain[s]) for s in shapes[:3]]
+
+    with ThreadPoolExecutor(len(shapes) + 1) as pool:
+        futures = [pool.submit(client, i) for i in range(len(shapes))] + [pool.submit(plain_client)]
+        results = [future.result(timeout=600) for future in futures]
+    assert results == [[True, True]] * len(shapes) + [[True] * 3]
+    assert not model.get_decoder()._forward_hooks
