@@ -86,6 +86,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--seen", type=int, default=0, help="also measure acceptance on this many training prompts")
     args = parser.parse_args()
     torch.set_num_threads(1)
     import transformers
@@ -102,7 +103,15 @@ def main() -> None:
         f"transformers {transformers.__version__}",
         "max_new_tokens": args.max_new_tokens,
     }
-    _, held_out = split_prompts()
+    seen, held_out = split_prompts()
+    if args.seen:  # prompts the head was trained on: does drafting read what the trainer fed?
+        import random
+
+        random.seed(0)
+        report["seen_acceptance_k5"] = acceptance(
+            model, tokenizer, head, random.sample(seen, args.seen), args.max_new_tokens
+        )
+        print(json.dumps(report["seen_acceptance_k5"], indent=1), flush=True)
     chat = [*held_out, next(p.text for p in DEMO_PROMPTS if p.category == "chat")]
     report["chat_acceptance_k5"] = acceptance(model, tokenizer, head, chat, args.max_new_tokens)
     print(json.dumps(report["chat_acceptance_k5"], indent=1), flush=True)
