@@ -373,3 +373,22 @@ def test_refusals_teach(target, heads, tmp_path) -> None:
     }
     with pytest.raises(NotImplementedError, match="filled past_key_values"):
         spec_generate(target, longer, hf_specdec.SpecDecoder(draft_head=head), max_new_tokens=4, past_key_values=cache)
+
+
+def test_rows_that_finish_early_leave_the_heads_cache(bigram_target, heads, monkeypatch) -> None:
+    """A row that draws EOS leaves the batch (select_rows on the head's view, queued context and offsets); the others
+    keep drafting exactly."""
+    target = bigram_target
+    inputs = make_prompts(5, vocab=VOCAB, seed=21, repetitive=False)
+    first = target.generate(**inputs, max_new_tokens=16, do_sample=False)
+    width = inputs["input_ids"].shape[1]
+    eos = int(first[0, width + 2])  # row 0's third token ends it early
+    expected = target.generate(**inputs, max_new_tokens=16, do_sample=False, eos_token_id=eos)
+    lengths = (expected[:, width:] != 0).sum(1)
+    assert lengths.min() < lengths.max(), "the test needs rows that stop at different steps"
+    steps = record_proposals(monkeypatch, Eagle3Proposer)
+    spec = hf_specdec.SpecDecoder(draft_head=heads["agree"][0], num_speculative_tokens=3)
+    out = spec_generate(target, inputs, spec, max_new_tokens=16, do_sample=False, eos_token_id=eos)
+    assert torch.equal(out, expected)
+    assert min(step[0].shape[0] for step in steps) < 5  # rows left the batch
+    assert check_drafts(steps, target, heads["agree"]) > 0
