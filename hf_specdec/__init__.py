@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from hf_specdec.config import SpecDecoder
     from hf_specdec.generation import SpecDecodeOutput, generate
     from hf_specdec.metrics import SpecDecodeStats
+    from hf_specdec.proposers.eagle3_head import load_draft_head
     from hf_specdec.routing import install, is_installed, uninstall
 
 _EXPORTS = {
@@ -25,6 +26,7 @@ _EXPORTS = {
     "SpecDecoder": "hf_specdec.config",
     "generate": "hf_specdec.generation",
     "install": "hf_specdec.routing",
+    "load_draft_head": "hf_specdec.proposers.eagle3_head",
     "is_installed": "hf_specdec.routing",
     "uninstall": "hf_specdec.routing",
 }
@@ -36,6 +38,7 @@ __all__ = [
     "generate",
     "install",
     "is_installed",
+    "load_draft_head",
     "uninstall",
 ]
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from hf_specdec.metrics import SpecDecodeStats
 
-METHODS = ("draft", "ngram", "mtp", "early_exit", "gemma4_assistant", "dflash")
+METHODS = ("draft", "ngram", "mtp", "early_exit", "gemma4_assistant", "dflash", "eagle3")
 #: Methods that draft with the model passed as `draft_model` (a causal LM, a Gemma 4 assistant, a DFlash drafter).
 DRAFT_MODEL_METHODS = ("draft", "gemma4_assistant", "dflash")
 MAX_SPECULATIVE_TOKENS = 32
@@ -31,13 +31,17 @@ class SpecDecoder:
             `early_exit_layers` layers and its LM head draft; HF's `assistant_early_exit`) or `"gemma4_assistant"`
             (a `Gemma4AssistantForCausalLM` as `draft_model`, reading the target's keys and values) or `"dflash"`
             (a DFlash block drafter as `draft_model`, fed the target's hidden states; HF's
-            `speculation_type="dflash"`). Defaults to `"gemma4_assistant"` when `draft_model` is a Gemma 4
-            assistant, `"draft"` when it is another model, `"early_exit"` when `early_exit_layers` is given, else
-            `"ngram"`.
+            `speculation_type="dflash"`) or `"eagle3"` (an EAGLE-3 head as `draft_head`, fed the target's hidden
+            states). Defaults to `"eagle3"` when `draft_head` is given, `"gemma4_assistant"` when `draft_model` is a
+            Gemma 4 assistant, `"draft"` when it is another model, `"early_exit"` when `early_exit_layers` is given,
+            else `"ngram"`.
         draft_model (`PreTrainedModel`, *optional*):
             The draft model for `method="draft"`. It must have the target's vocabulary and sit on the
             target's device. For `method="gemma4_assistant"` the `Gemma4AssistantForCausalLM` (or its unified
             twin) of a Gemma 4 target; for `method="dflash"` the DFlash drafter (`MuseGlimmerAssistantModel`).
+        draft_head (`Eagle3Head`, *optional*):
+            For `method="eagle3"`: an EAGLE-3 draft head from `hf_specdec.load_draft_head(path)` (the EAGLE authors'
+            or the speculators layout), trained for the target. It reads the target's hidden states from the verify.
         draft_tokenizer (`PreTrainedTokenizerBase`, *optional*):
             The draft model's tokenizer when it differs from the target's (HF's `assistant_tokenizer`: universal
             assisted generation). Drafts are translated through text; the target's tokenizer must be given too
@@ -97,6 +101,7 @@ class SpecDecoder:
 
     method: str | None = None
     draft_model: Any = None
+    draft_head: Any = None
     draft_tokenizer: Any = None
     mtp_model: Any = None
     early_exit_layers: int | None = None
@@ -113,6 +118,8 @@ class SpecDecoder:
     last_stats: SpecDecodeStats | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if self.method is None and self.draft_head is not None:
+            self.method = "eagle3"
         if self.method is None:
             self.method = "draft" if self.draft_model is not None else "ngram"
             if type(self.draft_model).__name__.startswith(("Gemma4Assistant", "Gemma4UnifiedAssistant")):
@@ -125,6 +132,15 @@ class SpecDecoder:
             raise ValueError(
                 f"SpecDecoder(method={self.method!r}) needs a draft model: pass draft_model=<the draft or assistant "
                 "model>, or use method='ngram' for prompt lookup without a draft."
+            )
+        if self.method == "eagle3" and self.draft_head is None:
+            raise ValueError(
+                "SpecDecoder(method='eagle3') needs an EAGLE-3 head: pass draft_head=hf_specdec.load_draft_head(path)."
+            )
+        if self.method != "eagle3" and self.draft_head is not None:
+            raise ValueError(
+                f"SpecDecoder(method={self.method!r}) was also given a draft_head, which only method='eagle3' uses: "
+                "drop draft_head, or drop method (a draft_head selects method='eagle3')."
             )
         if self.method != "mtp" and self.mtp_model is not None:
             raise ValueError(
@@ -232,12 +248,21 @@ class SpecDecoder:
 
     def to_dict(self) -> dict[str, Any]:
         """The serialisable settings (model, tokenizer and streamer objects are left out)."""
-        skip = {"draft_model", "draft_tokenizer", "mtp_model", "tokenizer", "streamer", "on_step", "last_stats"}
+        skip = {
+            "draft_model",
+            "draft_head",
+            "draft_tokenizer",
+            "mtp_model",
+            "tokenizer",
+            "streamer",
+            "on_step",
+            "last_stats",
+        }
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], **objects: Any) -> SpecDecoder:
-        """Inverse of `to_dict`; pass `draft_model=`, `draft_tokenizer=`, `mtp_model=`, `tokenizer=`, `streamer=`, `on_step=` as keyword arguments."""
+        """Inverse of `to_dict`; pass `draft_model=`, `draft_head=`, `draft_tokenizer=`, `mtp_model=`, `tokenizer=`, `streamer=`, `on_step=` as keyword arguments."""
         known = {f.name for f in fields(cls) if f.init}
         unknown = set(data) - known
         if unknown:

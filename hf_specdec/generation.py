@@ -254,6 +254,7 @@ STATIC_UNSUPPORTED_METHODS = {
     "early_exit": "early-exit drafts",
     "gemma4_assistant": "Gemma 4 assistants",
     "dflash": "DFlash drafters",
+    "eagle3": "EAGLE-3 draft heads",
 }
 
 
@@ -321,7 +322,7 @@ def build_handoff(
             return None
         cache = DynamicCache(config=model.config.get_text_config(decoder=True))
     past = check_continuation_cache(cache, input_ids)
-    if past and spec.method in ("mtp", "gemma4_assistant", "dflash"):
+    if past and spec.method in ("mtp", "gemma4_assistant", "dflash", "eagle3"):
         raise NotImplementedError(
             f"method={spec.method!r} cannot continue a filled past_key_values (it drafts from the target's states "
             "of the forward that filled it, which hf_specdec did not see): pass the full conversation without "
@@ -385,6 +386,14 @@ def build_proposer(
             from hf_specdec.proposers.dflash import DFlashProposer
 
             inner = DFlashProposer(model, spec.draft_model, k)
+    elif spec.method == "eagle3":
+        if encoder is not None:
+            raise NotImplementedError(
+                f"EAGLE-3 heads draft for decoder-only targets only, not for {type(model).__name__}."
+            )
+        from hf_specdec.proposers.eagle3 import Eagle3Proposer
+
+        inner = Eagle3Proposer(model, spec.draft_head, k)
     elif spec.method == "mtp":
         from hf_specdec.proposers.mtp import MTPProposer, resolve_mtp_model
 
@@ -405,8 +414,8 @@ def _build_schedule(
         from hf_specdec.adaptive import AdaptiveSchedule, model_serial
 
         key = f"ngram:{spec.prompt_lookup_min}-{spec.prompt_lookup_max}"
-        if spec.draft_model is not None:
-            key = f"{spec.method}:{model_serial(spec.draft_model)}"
+        if spec.draft_model is not None or spec.draft_head is not None:
+            key = f"{spec.method}:{model_serial(spec.draft_model or spec.draft_head)}"
         elif spec.method != "ngram":
             key = "mtp" if spec.method == "mtp" else f"exit:{spec.early_exit_layers}"
         return AdaptiveSchedule(
@@ -437,9 +446,10 @@ def _draft_share(spec: SpecDecoder, model: PreTrainedModel) -> float:
         return spec.early_exit_layers / layers
     if spec.method == "mtp":
         return 1 / layers
-    if spec.draft_model is None:
+    draft = spec.draft_model if spec.draft_model is not None else spec.draft_head
+    if draft is None:
         return 0.0
-    return min(1.0, sum(p.numel() for p in spec.draft_model.parameters()) / sum(p.numel() for p in model.parameters()))
+    return min(1.0, sum(p.numel() for p in draft.parameters()) / sum(p.numel() for p in model.parameters()))
 
 
 def row_seeds(seed: int | list[int] | None, batch_size: int) -> torch.Tensor:  # [B] int64

@@ -1,8 +1,8 @@
 """`install()` / `uninstall()`: the opt-in hook that routes transformers' own speculation arguments to hf_specdec.
 
 `install()` wraps `GenerationMixin.generate` so that `spec_decoder=`, `assistant_model=`, `prompt_lookup_num_tokens=`,
-`use_mtp=`, `assistant_early_exit=` (and `assistant_model=` with a Gemma 4 assistant or with
-`speculation_type="dflash"`) run through `hf_specdec.generate` (with `streamer`, `tokenizer` and `stop_strings` forwarded, which
+`use_mtp=`, `assistant_early_exit=` (and `assistant_model=` with a Gemma 4 assistant, an EAGLE-3 head from
+`load_draft_head`, or with `speculation_type="dflash"`) run through `hf_specdec.generate` (with `streamer`, `tokenizer` and `stop_strings` forwarded, which
 transformers does not pass to custom decoders); every other call is left exactly as it is. `uninstall()` puts the
 original back.
 """
@@ -16,6 +16,7 @@ from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 
 from hf_specdec.config import MAX_SPECULATIVE_TOKENS, SpecDecoder
 from hf_specdec.generation import check_speculation_type, generate
+from hf_specdec.proposers.eagle3_head import is_eagle3_head
 from hf_specdec.proposers.gemma4_assistant import is_gemma4_assistant
 
 _original_generate = None
@@ -116,6 +117,16 @@ def _spec_from_kwargs(model: PreTrainedModel, kwargs: dict[str, Any]) -> SpecDec
         return SpecDecoder(method="mtp", num_speculative_tokens=k, num_speculative_tokens_schedule=schedule)
     if speculation_type == "dflash" or (assistant is not None and is_gemma4_assistant(assistant)):
         return _drafter_spec(kwargs, config, assistant, speculation_type)
+    if assistant is not None and is_eagle3_head(assistant):  # hf_specdec's own: an EAGLE-3 head from load_draft_head
+        if kwargs.get("assistant_confidence_threshold"):
+            raise ValueError(
+                f"assistant_confidence_threshold={kwargs['assistant_confidence_threshold']!r} does not apply to an "
+                "EAGLE-3 head (its drafts are not cut by confidence): drop it."
+            )
+        kwargs.pop("assistant_confidence_threshold", None)
+        schedule = _assistant_schedule(kwargs, config, assistant)
+        schedule.pop("draft_confidence_threshold", None)
+        return SpecDecoder(method="eagle3", draft_head=assistant, **schedule)
     if assistant is not None:
         # HF's universal assisted generation: another tokenizer when both tokenizers are given (drafts go through
         # text; no confidence threshold, as the draft's probabilities are over another vocabulary).
