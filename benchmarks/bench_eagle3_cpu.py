@@ -8,7 +8,7 @@ against plain greedy and prompt lookup on the README demo's prompts.
    adaptive) and the head (k = 5, constant and adaptive), each warmed up, then `--repeats` interleaved timed runs
    (the order rotating); the median counts. Every output is checked against plain greedy.
 
-Run: `OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/bench_eagle3_cpu.py --head hub/eagle3-smollm2`.
+Run: `OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/bench_eagle3_cpu.py --head heads/eagle3-smollm2`.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def acceptance(model, tokenizer, head, texts: list[str], max_new_tokens: int) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--head", default="hub/eagle3-smollm2")
+    parser.add_argument("--head", default="heads/eagle3-smollm2")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--json", default=None)

@@ -10,7 +10,7 @@ Two stages, each cached under `--work` (default /tmp/eagle3):
    output of step j - 1, at the positions drafting uses). Saved in fp16 as `config.json` + `model.safetensors`.
 
 Held out: the demo's prompts (`hf_specdec.tools.prompts.DEMO_PROMPTS`) and the last two prompts of every MT-bench
-category of the dev file. Run: `OMP_NUM_THREADS=1 python benchmarks/train_eagle3_smollm.py --out hub/eagle3-smollm2`.
+category of the dev file. Run: `OMP_NUM_THREADS=1 python benchmarks/train_eagle3_smollm.py --out heads/eagle3-smollm2`.
 """
 
 from __future__ import annotations
@@ -260,7 +260,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--stage", choices=("data", "train", "all"), default="all")
-    parser.add_argument("--out", default="hub/eagle3-smollm2")
+    parser.add_argument("--out", default="heads/eagle3-smollm2")
     parser.add_argument("--draft-vocab", type=int, default=4096)
     parser.add_argument("--ttt", type=int, default=3, help="draft steps unrolled in training")
     parser.add_argument("--epochs", type=int, default=4)
