@@ -182,9 +182,11 @@ class SpeculativeLoop:
         sampling and stopping settings. Calls with equal signatures can replay each other's graphs."""
         from hf_specdec.adaptive import model_serial
 
-        def settings(obj: object) -> tuple:  # a processor or a proposer: its type and its scalar settings
-            values = vars(obj).items()
-            return (type(obj).__name__, tuple(sorted((k, v) for k, v in values if isinstance(v, (int, float, str)))))
+        def settings(obj: object) -> tuple:  # a processor or a proposer: its type, scalar settings, small tensors
+            values = [(k, v) for k, v in vars(obj).items() if isinstance(v, (int, float, str))]
+            values += [(k, tuple(v.reshape(-1).tolist())) for k, v in vars(obj).items()
+                       if isinstance(v, torch.Tensor) and v.numel() <= 64 and type(obj).__module__.startswith("transformers")]  # fmt: skip
+            return (type(obj).__name__, tuple(sorted(values)))
 
         inner = getattr(self.proposer, "inner", self.proposer)
         models = tuple(model_serial(m) for m in vars(inner).values() if isinstance(m, torch.nn.Module))

@@ -33,6 +33,10 @@ class Entry:
 
     signature: Hashable
     root: object  # the loop whose tensors and caches the graphs read (kept alive with them)
+    device: torch.device  # where the graphs run: only state on it can be read by them
+    #: the tensors and caches the graphs read, by (owner path, attribute), as they were when the call's last step
+    #: ended (the loop may drop some afterwards, e.g. the statistics' device counters once they are read)
+    slots: dict[tuple[str, str], Any] = field(default_factory=dict)
     graphs: dict = field(default_factory=dict)  # key -> captured step (host deltas by owner path)
     rebind_paths: list[tuple[str, str]] = field(default_factory=list)  # (owner path, attribute) replaced each step
     keepalive: list[object] = field(default_factory=list)  # earlier calls' loops (objects their graphs may read)
@@ -70,14 +74,21 @@ def owners_by_path(root: object) -> dict[str, object]:
     return found
 
 
-def state_slots(root: object) -> dict[tuple[str, str], Slot]:
-    """Every tensor or transformers `Cache` attribute of the objects reachable from `root`, by (owner path, name)."""
+def state_slots(root: object, device: torch.device | None = None) -> dict[tuple[str, str], Slot]:
+    """Every tensor or transformers `Cache` attribute of the objects reachable from `root`, by (owner path, name);
+    with `device`, only tensors on that kind of device (a GPU's graphs never read the host's bookkeeping)."""
     return {
         (path, name): (owner, name, value)
         for path, owner in owners_by_path(root).items()
         for name, value in vars(owner).items()
-        if isinstance(value, (torch.Tensor, Cache))
+        if isinstance(value, Cache)
+        or (isinstance(value, torch.Tensor) and (device is None or value.device.type == device.type))
     }
+
+
+def snapshot(entry: Entry) -> None:
+    """Record the slots of the entry's loop now (its last step just ended)."""
+    entry.slots = {key: value for key, (_, _, value) in state_slots(entry.root, entry.device).items()}
 
 
 def checkout(model: object, signature: Hashable) -> Entry | None:
@@ -140,18 +151,18 @@ def adopt(entry: Entry, root: object) -> bool:
 
     Every slot of the entry's loop must be in the new loop with the same shape, dtype and device (or, for a tensor
     the step writes before reading, not set yet); otherwise nothing changes and False is returned."""
-    old_slots, new_slots = state_slots(entry.root), state_slots(root)
+    old_slots, new_slots = entry.slots, state_slots(root, entry.device)
     new_owners = owners_by_path(root)
     if set(new_slots) - set(old_slots):
         return False
-    for (path, name), (_, _, old) in old_slots.items():
+    for (path, name), old in old_slots.items():
         if (path, name) in new_slots:
             if not _matches(old, new_slots[(path, name)][2]):
                 return False
         elif path not in new_owners or getattr(new_owners[path], name, 0) is not None:
             return False
     copied: set[int] = set()
-    for (path, name), (_, _, old) in old_slots.items():
+    for (path, name), old in old_slots.items():
         slot = new_slots.get((path, name))
         if slot is not None and id(old) not in copied:
             copied.add(id(old))

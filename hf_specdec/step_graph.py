@@ -88,6 +88,9 @@ class StepGraph:
     #: `state_owners` does not walk into a StepGraph (its records hold the homes of the state tensors, which would
     #: make every rebound tensor look shared with other state at the next capture)
     step_bookkeeping = True
+    #: tests on the CPU: keep and adopt a call's state though nothing was captured (its steps then run eagerly on
+    #: the adopted tensors, which must give the same tokens)
+    keep_uncaptured = False
 
     def __init__(
         self,
@@ -100,6 +103,7 @@ class StepGraph:
     ) -> None:
         self.root = root
         self.model = model  # graphs are kept across calls per model and `signature` (`hf_specdec.graph_reuse`)
+        self.device = getattr(getattr(root, "batch", None), "device", torch.device("cuda"))
         self.signature = signature
         self.entry: graph_reuse.Entry | None = None  # the kept graphs this call adopted
         self.reuse_tried = False
@@ -118,12 +122,12 @@ class StepGraph:
 
     def run(self, key: Hashable | None, fits: bool) -> None:
         """One step: replayed when its key's graph is captured and `fits` (no cache needs compacting), else eager."""
+        if not self.reuse_tried and key is not None and (self.capture or self.keep_uncaptured):
+            self._reuse()
         if key is None or not self.capture or key in self.refused or not fits:
             self._eager(key)
             self.steady = fits
             return
-        if not self.reuse_tried:
-            self._reuse()
         captured = self.graphs.get(key)
         self.steady = captured is not None
         if captured is None:
@@ -160,12 +164,13 @@ class StepGraph:
 
     def finish(self) -> None:
         """The call ends: keep its graphs (and the state they read) for a later call with the same signature."""
-        if self.signature is None or self.model is None or not self.graphs:
+        if self.signature is None or self.model is None or not (self.graphs or self.keep_uncaptured):
             return
-        entry = self.entry or graph_reuse.Entry(self.signature, self.root)
+        entry = self.entry or graph_reuse.Entry(self.signature, self.root, self.device)
         if self.entry is not None:  # this loop now owns every tensor the kept graphs and the new ones read
             entry.keepalive.append(entry.root)
             entry.root = self.root
+        graph_reuse.snapshot(entry)
         paths = {id(owner): path for path, owner in graph_reuse.owners_by_path(self.root).items()}
         entry.graphs = dict(self.graphs)
         entry.rebind_paths = [(paths[id(r.owner)], r.name) for r in self.rebinds if id(r.owner) in paths]

@@ -40,8 +40,9 @@ def _threads(target, work, num_threads: int, calls: int) -> tuple[list, list]:  
 def test_eight_threads_on_the_captured_path_give_lone_outputs(cache_implementation):
     """8 threads x 3 calls of varied batch sizes sharing one model and one SpecDecoder: no error, every output equal
     to the same call made alone (the default captured path; and the compiled static path, serialised per model)."""
-    target = make_model("llama", seed=0).cuda()
-    draft = make_noisy_copy(target).cuda()
+    cpu_target = make_model("llama", seed=0)
+    draft = make_noisy_copy(cpu_target).cuda()  # the noise is drawn on the CPU
+    target = cpu_target.cuda()
     spec = hf_specdec.SpecDecoder(
         draft_model=draft, num_speculative_tokens=3, num_speculative_tokens_schedule="constant"
     )

@@ -5,6 +5,7 @@ these check, on real hf_specdec objects, what adoption copies and rebinds, when 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from hf_specdec import graph_reuse
@@ -23,17 +24,20 @@ def test_adopt_copies_the_new_call_into_the_kept_tensors_and_points_its_attribut
     old = _state([[1, 2, 3]])
     old.scratch = torch.zeros(2)
     kept_ids = old.batch.token_ids
-    entry = graph_reuse.Entry(signature="s", root=old)
+    entry = graph_reuse.Entry(signature="s", root=old, device=torch.device("cpu"))
+    graph_reuse.snapshot(entry)
+    old.scratch = None  # dropped after the last step (as the statistics drop their device counters): still kept
     new = _state([[4, 5, 6]])
     assert graph_reuse.adopt(entry, new)
     assert new.batch.token_ids is kept_ids and kept_ids[0, :3].tolist() == [4, 5, 6]  # the new prompt, old address
     assert new.batch.lengths is old.batch.lengths
-    assert new.scratch is old.scratch  # lazily set in the new call: takes the kept tensor
+    assert new.scratch is entry.slots[("", "scratch")]  # lazily set in the new call: takes the kept tensor
 
 
 def test_adopt_refuses_other_shapes_and_changes_nothing():
     old = _state([[1, 2, 3]])
-    entry = graph_reuse.Entry(signature="s", root=old)
+    entry = graph_reuse.Entry(signature="s", root=old, device=torch.device("cpu"))
+    graph_reuse.snapshot(entry)
     new = _state([[4, 5, 6], [7, 8, 9]])  # another batch size
     ids = new.batch.token_ids
     assert not graph_reuse.adopt(entry, new)
@@ -45,7 +49,7 @@ def test_an_entry_serves_one_call_at_a_time_and_only_its_signature():
         pass
 
     model = Model()
-    entry = graph_reuse.Entry(signature=("B", 1), root=_state([[1]]))
+    entry = graph_reuse.Entry(signature=("B", 1), root=_state([[1]]), device=torch.device("cpu"))
     graph_reuse.keep(model, entry)
     assert graph_reuse.checkout(model, ("B", 2)) is None
     assert graph_reuse.checkout(model, ("B", 1)) is entry
@@ -53,7 +57,35 @@ def test_an_entry_serves_one_call_at_a_time_and_only_its_signature():
     graph_reuse.keep(model, entry)  # released
     assert graph_reuse.checkout(model, ("B", 1)) is entry
     for i in range(graph_reuse.MAX_ENTRIES + 2):
-        graph_reuse.keep(model, graph_reuse.Entry(signature=("B", 10 + i), root=_state([[1]])))
+        graph_reuse.keep(
+            model, graph_reuse.Entry(signature=("B", 10 + i), root=_state([[1]]), device=torch.device("cpu"))
+        )
     assert len(graph_reuse._ENTRIES[model]) == graph_reuse.MAX_ENTRIES
     graph_reuse.clear(model)
     assert graph_reuse.checkout(model, ("B", 10 + graph_reuse.MAX_ENTRIES + 1)) is None
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_calls_that_adopt_a_kept_calls_state_give_plain_output(monkeypatch, method):
+    """Static calls with equal signatures: each later one adopts the state its predecessor left (on the CPU its steps
+    then run eagerly on the adopted tensors and caches, which a GPU's kept graphs read) and gives plain's tokens;
+    a call of another batch size does not adopt it."""
+    from conftest import make_model, make_noisy_copy, make_prompts, spec_generate
+
+    import hf_specdec
+    from hf_specdec.step_graph import StepGraph
+
+    monkeypatch.setattr(StepGraph, "keep_uncaptured", True)
+    adopted = []
+    reuse = StepGraph._reuse
+    monkeypatch.setattr(StepGraph, "_reuse", lambda self: (reuse(self), adopted.append(self.entry is not None)))
+    target = make_model("llama", seed=0)
+    draft = make_noisy_copy(target)
+    gen = dict(max_new_tokens=20, do_sample=False, eos_token_id=None, cache_implementation="static")
+    for batch_size, seed in ((3, 1), (3, 2), (3, 3), (2, 4)):
+        inputs = make_prompts(batch_size, seed=seed, min_len=6, max_len=6)  # one prompt width: equal max_length
+        spec = hf_specdec.SpecDecoder(draft_model=draft) if method == "draft" else hf_specdec.SpecDecoder()
+        plain = target.generate(**inputs, **{k: v for k, v in gen.items() if k != "cache_implementation"})
+        assert torch.equal(spec_generate(target, inputs, spec, **gen), plain)
+    assert adopted == [False, True, True, False]
+    graph_reuse.clear(target)
