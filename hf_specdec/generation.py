@@ -23,7 +23,7 @@ from hf_specdec import compat
 from hf_specdec.batch import RaggedBatch
 from hf_specdec.config import MAX_SPECULATIVE_TOKENS, SpecDecoder
 from hf_specdec.continuation import CacheHandoff, check_continuation_cache
-from hf_specdec.decoding import SpeculativeLoop, StaticPlan
+from hf_specdec.decoding import SpeculativeLoop
 from hf_specdec.exact import ExactPath, needs_exact_path
 from hf_specdec.metrics import SpecDecodeStats
 from hf_specdec.model_support import check_alibi_call, check_supported_cache
@@ -33,6 +33,7 @@ from hf_specdec.recurrent import check_recurrent_call, is_hybrid
 from hf_specdec.sampling import random as row_random
 from hf_specdec.sampling.processors import StepSampling
 from hf_specdec.schedules import HeuristicSchedule, SpeculationSchedule
+from hf_specdec.static_cache import StaticPlan
 from hf_specdec.stopping import StopRules
 
 #: model_kwargs that `generate` prepares and this package handles itself.
