@@ -19,7 +19,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput
 
-from hf_specdec import compat
+from hf_specdec import compat, proposers
 from hf_specdec.batch import RaggedBatch
 from hf_specdec.config import MAX_SPECULATIVE_TOKENS, SpecDecoder
 from hf_specdec.continuation import CacheHandoff, check_continuation_cache
@@ -59,15 +59,6 @@ class SpecDecodeEncoderDecoderOutput(GenerateEncoderDecoderOutput):
     """`GenerateEncoderDecoderOutput` plus the call's speculative-decoding statistics."""
 
     spec_stats: SpecDecodeStats | None = None
-
-
-def _seq2seq_views(encoder: Any):  # noqa: ANN202
-    """The CacheView factory of an encoder-decoder call (None: the loop's plain CacheView)."""
-    if encoder is None:
-        return None
-    from hf_specdec.seq2seq import Seq2SeqCacheView
-
-    return lambda model, batch: Seq2SeqCacheView(model, batch.batch_size, batch.pad_lengths, encoder)
 
 
 def generate(
@@ -161,7 +152,7 @@ def generate(
         static=static,
         exact=exact,
         handoff=handoff,
-        view_factory=_seq2seq_views(encoder),
+        view_factory=seq2seq_views(encoder),
         on_step=spec.on_step,
     )
     result = loop.run()
@@ -272,61 +263,10 @@ def build_proposer(
 ) -> Top1Proposer:
     """The proposer that `spec` describes, checked against the target model.
 
-    It is always wrapped in a `Top1Proposer`, the one place where per-row draft budgets are decided (the draft's
+    The method's registered constructor (`hf_specdec.proposers`) builds and checks it; it is always wrapped in a `Top1Proposer`, the one place where per-row draft budgets are decided (the draft's
     position limit, `max_draft_len`, the k schedule); its cost is a few [B] tensor ops per step.
     """
-    k = spec.max_speculative_tokens
-    inner: Proposer
-    if spec.method == "draft" and spec.draft_tokenizer is not None:
-        if encoder is not None:
-            raise NotImplementedError(
-                "A draft with another tokenizer is not supported for encoder-decoder targets: use a draft sharing "
-                "the target's tokenizer, or prompt_lookup_num_tokens."
-            )
-        from hf_specdec.proposers.cross_tokenizer import CrossTokenizerProposer
-
-        inner = CrossTokenizerProposer(spec.draft_model, tokenizer, spec.draft_tokenizer, k)
-    elif spec.method == "draft":
-        from hf_specdec.proposers.draft_model import DraftModelProposer, check_draft_model
-        from hf_specdec.schedules import ConfidenceThreshold
-
-        check_draft_model(model, spec.draft_model)
-        threshold = spec.draft_confidence_threshold
-        inner = DraftModelProposer(spec.draft_model, k, ConfidenceThreshold(threshold) if threshold else None)
-        if encoder is not None:  # the draft cross-attends to the target's encoder output
-            from hf_specdec.seq2seq import check_seq2seq_draft
-
-            check_seq2seq_draft(model, spec.draft_model, encoder.hidden.shape[-1])
-            inner.view_factory = _seq2seq_views(encoder)
-    elif spec.method == "early_exit":
-        from hf_specdec.proposers.early_exit import EarlyExitProposer
-        from hf_specdec.schedules import ConfidenceThreshold
-
-        threshold = spec.draft_confidence_threshold
-        inner = EarlyExitProposer(
-            model, spec.early_exit_layers, k, ConfidenceThreshold(threshold) if threshold else None
-        )
-    elif spec.method in ("gemma4_assistant", "dflash"):
-        if encoder is not None:
-            raise NotImplementedError(
-                f"method={spec.method!r} drafts for decoder-only targets only, not for {type(model).__name__}."
-            )
-        if spec.method == "gemma4_assistant":
-            from hf_specdec.proposers.gemma4_assistant import Gemma4AssistantProposer
-
-            inner = Gemma4AssistantProposer(model, spec.draft_model, k)
-        else:
-            from hf_specdec.proposers.dflash import DFlashProposer
-
-            inner = DFlashProposer(model, spec.draft_model, k)
-    elif spec.method == "mtp":
-        from hf_specdec.proposers.mtp import MTPProposer, resolve_mtp_model
-
-        inner = MTPProposer(model, resolve_mtp_model(model, spec.mtp_model), k)
-    else:
-        from hf_specdec.proposers.ngram import NgramProposer
-
-        inner = NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+    inner = proposers.build(spec, model, proposers.ProposerContext(tokenizer=tokenizer, encoder=encoder, static=static))
     schedule = _build_schedule(spec, model, inner, static)
     return Top1Proposer(inner, max_draft_len=spec.max_draft_len, schedule=schedule)
 
@@ -361,6 +301,15 @@ def _build_schedule(
         on_finish = persist if schedule == "heuristic" else None
         return HeuristicSchedule(spec.num_speculative_tokens, spec.max_speculative_tokens, on_finish)
     return None
+
+
+def seq2seq_views(encoder: Any) -> Callable | None:
+    """The CacheView factory of an encoder-decoder call (None: the loop's plain CacheView)."""
+    if encoder is None:
+        return None
+    from hf_specdec.seq2seq import view_factory
+
+    return view_factory(encoder)
 
 
 def _draft_share(spec: SpecDecoder, model: PreTrainedModel) -> float:
