@@ -47,7 +47,6 @@ class StaticPlan:
     hybrid: bool = False
 
 
-
 def build_static_cache(model: PreTrainedModel, max_cache_len: int) -> StaticCache:
     """transformers' `StaticCache` for `model` with full-length layers only (sliding windows come from the mask);
     a hybrid's recurrent layers are transformers' own `linear_attention` layers, as `StaticCache` builds them."""

@@ -112,7 +112,7 @@ def test_graph_reads_every_kind_of_import():
     graph = import_graph()
     assert "hf_specdec.compat" in graph["hf_specdec.cache"]  # from hf_specdec import compat
     assert "hf_specdec.static_cache" in graph["hf_specdec.proposers.base"]  # under TYPE_CHECKING
-    assert "hf_specdec.proposers.mtp" in graph["hf_specdec.routing"]  # inside a function
+    assert "hf_specdec.seq2seq" in graph["hf_specdec.plan"]  # inside a function
 
 
 def test_no_import_circle():
