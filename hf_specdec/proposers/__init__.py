@@ -31,6 +31,13 @@ class ProposerContext:
     encoder: Any = None  # the `EncoderState` of an encoder-decoder target (`hf_specdec.seq2seq`), or None
     static: bool = False  # the call runs on static caches
 
+    def require_decoder_only(self, method: str, target: PreTrainedModel) -> None:
+        """Refuse an encoder-decoder target for a method that drafts from a decoder-only target's states."""
+        if self.encoder is not None:
+            raise NotImplementedError(
+                f"method={method!r} drafts for decoder-only targets only, not for {type(target).__name__}."
+            )
+
 
 Constructor = Callable[["SpecDecoder", "PreTrainedModel", ProposerContext], "Proposer"]
 

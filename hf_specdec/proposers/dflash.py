@@ -253,8 +253,5 @@ def _plain_embeddings(target: PreTrainedModel, token_ids: torch.Tensor) -> torch
 @register("dflash")
 def from_spec(spec: SpecDecoder, target: PreTrainedModel, context: ProposerContext) -> DFlashProposer:
     """`method="dflash"`: a DFlash block drafter fed the target's layer states (decoder-only targets)."""
-    if context.encoder is not None:
-        raise NotImplementedError(
-            f"method={spec.method!r} drafts for decoder-only targets only, not for {type(target).__name__}."
-        )
+    context.require_decoder_only(spec.method, target)
     return DFlashProposer(target, spec.draft_model, spec.max_speculative_tokens)

@@ -216,8 +216,5 @@ class Gemma4AssistantProposer(Proposer):
 @register("gemma4_assistant")
 def from_spec(spec: SpecDecoder, target: PreTrainedModel, context: ProposerContext) -> Gemma4AssistantProposer:
     """`method="gemma4_assistant"`: a Gemma 4 assistant reading the target's keys and last hidden state (decoder-only targets)."""
-    if context.encoder is not None:
-        raise NotImplementedError(
-            f"method={spec.method!r} drafts for decoder-only targets only, not for {type(target).__name__}."
-        )
+    context.require_decoder_only(spec.method, target)
     return Gemma4AssistantProposer(target, spec.draft_model, spec.max_speculative_tokens)
