@@ -201,15 +201,18 @@ class StepCosts:
             self.contexts[bucket] = MeasuredSteps(ratio=self.contexts[nearest].ratio if nearest else 1.0)
         return self.contexts[bucket]
 
-    def record(self, width: int, bucket: int, seconds: float, drafts_separately: bool) -> None:
+    def record(self, width: int, bucket: int, seconds: float, drafts_separately: bool, clip: bool = True) -> None:
         """A step of verify width `width` in context bucket `bucket` took `seconds`; `drafts_separately`: the
-        proposer drafted only for this width (a draft model), so the step's cost beyond its forward is drafting."""
+        proposer drafted only for this width (a draft model), so the step's cost beyond its forward is drafting.
+        `clip=False` (captured steps, whose cost is far from the eager forward timed at calibration, and which
+        are recorded only once steady) takes the time as it is."""
         if not self.forward or not min(self.forward) <= width <= max(self.forward):
             return
         steps = self.at(bucket)
         scaled = self.forward_at(width) * steps.ratio  # the forward as this bucket's plain steps suggest
         drafting = self.draft_cost * (width - 1) if drafts_separately else 0.0
-        seconds = min(max(seconds, 0.5 * scaled), 2.0 * scaled + 2.0 * drafting)
+        if clip:
+            seconds = min(max(seconds, 0.5 * scaled), 2.0 * scaled + 2.0 * drafting)
         if width == 1:
             steps.ratio += self.smoothing * (seconds / self.forward[1] - steps.ratio)
             self.draft_cost = self.draft_prior + (self.draft_cost - self.draft_prior) * self.idle_decay
@@ -262,6 +265,7 @@ class _Step:
     bucket: int  # context bucket of the step
     start: float
     width: int = 1
+    measured: bool = True  # False: the step ran a warm-up, a capture or a compaction (`discard_timing`)
 
 
 class AdaptiveSchedule(SpeculationSchedule):
@@ -308,6 +312,11 @@ class AdaptiveSchedule(SpeculationSchedule):
         #: the verify widths a step can have: on static caches 1 (no drafts) or 1 + k (rows with fewer drafts
         #: carry masked slots), so only those two are timed and every drafting step costs the full width
         self.widths: Sequence[int] = (1, max_k + 1) if static else range(1, max_k + 2)
+        #: static caches: plain steps to measure before their cost is trusted. Calibration times eager forwards,
+        #: but captured steps cost far less (a third on an H100 at batch 1), and not in the same proportion for
+        #: plain and drafting steps: each kind's cost is taken from its own steady steps (`explore_plain`).
+        self.plain_samples_needed = 2 if static else 0
+        self.drafting_steps = 0  # steps of this call that drafted (static: plain steps are explored after a few)
         self.propose_first = propose_first
         self.margin = margin
         self.time_verify: Callable[[int], float] | None = None
@@ -348,6 +357,7 @@ class AdaptiveSchedule(SpeculationSchedule):
 
     def start(self, batch_size: int, device: torch.device) -> None:
         self.pending = None
+        self.drafting_steps = 0
         self.prefilling = True
         self.row_accepted = torch.zeros(batch_size)
         self.row_expected = torch.zeros(batch_size)
@@ -380,18 +390,27 @@ class AdaptiveSchedule(SpeculationSchedule):
             self.prefilling = False
             return torch.zeros(batch.batch_size, dtype=torch.long)
         now = time.perf_counter()
-        if self.pending is not None and not self.first_step:  # the call's first step pays warm-ups: not a cost
-            step = self.pending
-            step.costs.record(step.width, step.bucket, now - step.start, drafts_separately=not self.propose_first)
+        step = self.pending
+        if step is not None and not self.first_step and step.measured:  # a call's first step pays warm-ups
+            step.costs.record(
+                step.width, step.bucket, now - step.start, drafts_separately=not self.propose_first, clip=not self.static
+            )
         self.first_step = self.pending is None
         costs = self.costs(batch.batch_size)
         self.time_verify = None  # calibrate once per call, at the call's first batch size
-        context = float((batch.lengths - batch.pad_lengths).float().mean()) if batch.batch_size else 0.0
-        self.pending = _Step(costs, context_bucket(context), time.perf_counter())
+        if self.static:  # a static step attends over the whole static length: its cost does not follow the context
+            bucket = context_bucket(1.0)
+        else:
+            bucket = context_bucket(float((batch.lengths - batch.pad_lengths).float().mean()) if batch.batch_size else 0.0)
+        self.pending = _Step(costs, bucket, time.perf_counter())
         full = torch.full((batch.batch_size,), self.max_k, dtype=torch.long)  # [B]
         if self.propose_first:
             return full
         return self._choose(self.keys, full)
+
+    def discard_timing(self) -> None:
+        if self.pending is not None:
+            self.pending.measured = False
 
     def trim(self, proposal: Proposal) -> torch.Tensor:  # [B]
         num = proposal.num_draft_tokens.cpu()
@@ -416,7 +435,21 @@ class AdaptiveSchedule(SpeculationSchedule):
         survival = self.stats.survival(keys)  # [B, K]
         self.expected = torch.cat([torch.zeros(len(keys), 1), survival.cumsum(1)], dim=1)  # [B, K + 1]
         survival = (survival * self.row_factors()[:, None]).clamp(max=1.0)
-        return best_width(survival, num_drafts, table, self.margin)[1]
+        budgets = best_width(survival, num_drafts, table, self.margin)[1]
+        if bool((budgets > 0).any()):
+            self.drafting_steps += 1
+            if self.explore_plain():
+                return torch.zeros_like(budgets)
+        return budgets
+
+    def explore_plain(self) -> bool:
+        """Static caches: whether to run a plain step now to measure its cost (drafting was chosen): after three
+        drafting steps, until `plain_samples_needed` steady plain steps are known for this batch size. The costs
+        are kept across calls, so only a model's first calls pay these few plain steps."""
+        if self.pending is None or self.drafting_steps < 3:
+            return False
+        steps = self.pending.costs.at(self.pending.bucket)
+        return steps.samples.get(1, 0) < self.plain_samples_needed
 
     def observe(self, num_draft_tokens: torch.Tensor, num_accepted: torch.Tensor) -> None:
         drafted, accepted = num_draft_tokens.cpu(), num_accepted.cpu()

@@ -31,6 +31,32 @@ from hf_specdec.step_graph import StepGraph
 from hf_specdec.stopping import StopRules
 
 
+def capture_blocker(
+    sampling: StepSampling,
+    stop_rules: StopRules,
+    exact: ExactPath | None,
+    proposer: Proposer,
+    host_outputs: bool,
+    hybrid: bool = False,
+) -> str | None:
+    """Why a static step cannot be device work alone (one CUDA graph), or None when it can."""
+    if host_outputs:
+        return "output_scores / output_logits / on_step / a returned cache read every step on the host"
+    if exact is not None:
+        return "logits processors or stopping criteria off the vectorised allow-list run position by position"
+    if len(sampling.pure) and not sampling.prefix_free:
+        names = sorted({type(p).__name__ for p in sampling.pure})
+        return f"logits processors that read each position's prefix ({names}) run per prefix on the host"
+    if len(stop_rules.general):
+        names = sorted({type(c).__name__ for c in stop_rules.general})
+        return f"stopping criteria {names} (stop strings, max_time, your own) run on the host"
+    if not proposer.capturable:
+        return "this proposer or its schedule decides on the host every step"
+    if hybrid:
+        return "hybrid models roll their recurrent states back with host reads and re-runs"
+    return None
+
+
 @dataclass
 class LoopOutput:
     sequences: torch.Tensor  # [B, L] token ids laid out like plain generate's
@@ -84,9 +110,8 @@ class SpeculativeLoop:
             self.target = view_factory(model, batch) if view_factory else CacheView(model, total, batch.pad_lengths)
         else:
             proposer.use_static(static)
-            capturable = self._capturable(
-                output_scores or output_logits or streamer is not None or on_step is not None or handoff is not None
-            )
+            # A streamer reads the batch after the step's device work (at its one host read): it does not stop capture.
+            capturable = self._capturable(output_scores or output_logits or on_step is not None or handoff is not None)
             static.capture_steps = static.can_capture and capturable
             self.target = StaticCacheView(model, total, batch.pad_lengths, static)
             if capturable:  # planned steps (host decisions, then device work); captured on a GPU
@@ -169,16 +194,8 @@ class SpeculativeLoop:
 
     def _capturable(self, host_outputs: bool) -> bool:
         """Whether a step's device work can be one CUDA graph: fixed shapes, no host read, no host output."""
-        sampling, stops = self.sampling, self.stop_rules
-        return (
-            not host_outputs
-            and self.exact is None
-            and not sampling.do_sample  # the random draws take the step number as a host value
-            and (len(sampling.pure) == 0 or sampling.prefix_free)
-            and len(stops.general) == 0
-            and self.proposer.capturable
-            and not (self.static is not None and self.static.hybrid)  # recurrent rollback: host reads, re-runs
-        )
+        hybrid = self.static is not None and self.static.hybrid
+        return capture_blocker(self.sampling, self.stop_rules, self.exact, self.proposer, host_outputs, hybrid) is None
 
     def step(self) -> None:
         if self.step_graph is not None and self.prefilled:  # host decisions first, then the device work
@@ -187,8 +204,7 @@ class SpeculativeLoop:
             self.device_step()
         self.stats.count_step(self.batch.batch_size - self.num_frozen)
         self.retire_finished()
-        self.proposer.after_step()
-        self.sampling.step += 1
+        self.proposer.after_step(measured=self.step_graph is None or self.step_graph.steady)
 
     def _fits(self) -> bool:
         """Whether the next step's forwards fit every static cache without compacting (as the captured step did;
@@ -211,6 +227,7 @@ class SpeculativeLoop:
             output_ids = self.accept(proposal, scores)  # [B, w]
         num_kept, num_accepted = self.commit(proposal, output_ids, scores, target_logits, stop_hits)
         self.rollback(num_accepted)
+        self.sampling.advance()  # the next step draws anew (a device counter: replays advance it too)
 
     def _width(self, width: int) -> dict[str, int]:
         """The fixed slot count of a static forward (its CUDA graph); a dynamic forward finds its own."""

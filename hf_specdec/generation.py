@@ -146,9 +146,14 @@ STATIC_UNSUPPORTED_METHODS = {
 
 
 def static_plan(
-    model: PreTrainedModel, spec: SpecDecoder, generation_config: GenerationConfig, cache: Any = None
+    model: PreTrainedModel,
+    spec: SpecDecoder,
+    generation_config: GenerationConfig,
+    cache: Any = None,
+    compile_forwards: bool = True,
 ) -> StaticPlan:
-    """Static caches for this call, and the compiled forwards transformers' own rules allow (CUDA: graphs)."""
+    """Static caches for this call: on a GPU its whole steps captured as CUDA graphs, with the forwards compiled
+    where transformers' own rules allow it and `compile_forwards` asks for it (else eager forwards, captured)."""
     unsupported = None
     if model.config.is_encoder_decoder:
         unsupported = f"an encoder-decoder target ({type(model).__name__})"
@@ -166,6 +171,8 @@ def static_plan(
     max_columns = generation_config.max_length + k + 1 + max(STATIC_HOLE_ROOM, 4 * (k + 1))
 
     def compiled_for(m: PreTrainedModel) -> Callable | None:
+        if not compile_forwards:  # the default route: eager forwards, captured with the whole step
+            return None
         if m is model and spec.method == "mtp":  # MTP reads the target's hidden states through a forward hook
             return None
         if is_hybrid(m):  # the recurrent rollback hooks the mixers and re-runs them: hybrids run eagerly
@@ -179,7 +186,6 @@ def static_plan(
     plan.can_capture = (
         not plan.hybrid
         and model.device.type == "cuda"
-        and compat.compiled_call(model, generation_config) is not None
         and spec.method != "mtp"
         and os.environ.get(CAPTURE_ENV, "1") != "0"
     )

@@ -19,6 +19,7 @@ from transformers.generation.stopping_criteria import StoppingCriteriaList, Stop
 
 from hf_specdec import compat, proposers
 from hf_specdec.batch import RaggedBatch
+from hf_specdec.cache_route import choose_route, say_once
 from hf_specdec.call_checks import (
     check_alibi_columns,
     check_call,
@@ -27,6 +28,7 @@ from hf_specdec.call_checks import (
 )
 from hf_specdec.config import SpecDecoder
 from hf_specdec.continuation import CacheHandoff, build_handoff
+from hf_specdec.decoding import capture_blocker
 from hf_specdec.exact import ExactPath, needs_exact_path
 from hf_specdec.model_support import check_supported_cache
 from hf_specdec.proposers.base import Proposer
@@ -40,8 +42,9 @@ from hf_specdec.stopping import StopRules
 
 Route = Literal["dynamic", "static", "hybrid", "encoder_decoder"]
 
-#: `static_plan(model, spec, generation_config, cache) -> StaticPlan`: the static route (`generation.static_plan`).
-StaticPlanner = Callable[[PreTrainedModel, SpecDecoder, GenerationConfig, Any], StaticPlan]
+#: `static_plan(model, spec, generation_config, cache, compile_forwards) -> StaticPlan`: the static route's plan
+#: (`generation.static_plan`).
+StaticPlanner = Callable[[PreTrainedModel, SpecDecoder, GenerationConfig, Any, bool], StaticPlan]
 #: `build_proposer(spec, model, tokenizer, encoder, static=...) -> Top1Proposer` (`build_proposer` below).
 ProposerBuilder = Callable[..., Top1Proposer]
 
@@ -93,9 +96,10 @@ class CallPlan:
 
         The checks, in order: the SpecDecoder; the target's cache and attention (`model_support`); generate's
         settings (`call_checks.check_call`); the draft's cache; ALiBi; `speculation_type`; hybrids (`recurrent`);
-        stop strings' tokenizer; an encoder-decoder target (`seq2seq`); the static route (`static_plan`); a
-        filled `past_key_values` (`continuation`); the per-row seeds; the exact path's route; the proposer's own
-        (its registered constructor in `hf_specdec.proposers`).
+        stop strings' tokenizer; an encoder-decoder target (`seq2seq`); the cache route (`cache_route.choose_route`)
+        and the static route's refusals (`static_plan`); a filled `past_key_values` (`continuation`); the per-row
+        seeds; the exact path's route; the proposer's own (its registered constructor in `hf_specdec.proposers`);
+        on the default route, whether the step can be captured (`decoding.capture_blocker`; if not: dynamic).
         """
         spec = check_spec_decoder(spec_decoder)
         config = generation_config
@@ -110,21 +114,20 @@ class CallPlan:
         tokenizer = tokenizer if tokenizer is not None else spec.tokenizer
         stopping_criteria = with_stop_strings(stopping_criteria, stop_strings, tokenizer)
 
-        route: Route = "hybrid" if is_hybrid(model) else "dynamic"
         encoder = None
         decoder_mask = model_kwargs.get("attention_mask")
         if model.config.is_encoder_decoder:  # generate ran the encoder; its attention_mask is the encoder's
             from hf_specdec.seq2seq import check_seq2seq_target, encoder_state
 
             check_seq2seq_target(model, input_ids.shape[0], spec.method)
-            route, encoder, decoder_mask = "encoder_decoder", encoder_state(model_kwargs), None
-        static = None
-        if config.cache_implementation == "static":
-            route, static = "static", make_static(model, spec, config, compat.get_cache(model_kwargs))
+            encoder, decoder_mask = encoder_state(model_kwargs), None
+        cache = compat.get_cache(model_kwargs)
+        cache_route = choose_route(model, spec, config, cache)
+        static = make_static(model, spec, config, cache, cache_route.compile) if cache_route.static else None
         handoff = (
             None
-            if route in ("static", "hybrid")  # hybrids: no cache to adopt or hand back (refused above)
-            else build_handoff(model, spec, input_ids, config, compat.get_cache(model_kwargs))
+            if static or is_hybrid(model)  # hybrids: no cache to adopt or hand back (refused above)
+            else build_handoff(model, spec, input_ids, config, cache)
         )
         batch = RaggedBatch.from_prompts(input_ids, decoder_mask, config.max_length + spec.max_speculative_tokens + 1)
         seeds = row_seeds(spec.seed, batch.batch_size).to(batch.device)
@@ -139,20 +142,33 @@ class CallPlan:
         exact = None
         if needs_exact_path(sampling, stopping_criteria):
             exact = ExactPath(logits_processor, stopping_criteria, stop_rules.pad_token_id)
-            if static is not None:
+            if static is not None and not cache_route.by_default:
                 names = sorted({type(p).__name__ for p in (*logits_processor, *stopping_criteria)})
                 raise NotImplementedError(
                     f"This call has logits processors or stopping criteria off hf_specdec's vectorised allow-list "
                     f"(among {names}), which run on the exact position-by-position path; that path does not run on "
                     "static caches yet: drop cache_implementation='static' (the default dynamic cache supports them)."
                 )
+        make_proposer = make_proposer or build_proposer
+        proposer = make_proposer(spec, model, tokenizer, encoder, static=static is not None)
+        if static is not None and cache_route.by_default:  # the default takes the static path only where it is captured
+            blocker = capture_blocker(sampling, stop_rules, exact, proposer, host_outputs=False, hybrid=static.hybrid)
+            if blocker is not None:
+                say_once(blocker)
+                static = None
+                proposer = make_proposer(spec, model, tokenizer, encoder, static=False)
+                if handoff is None and not is_hybrid(model):
+                    handoff = build_handoff(model, spec, input_ids, config, cache)
+        route: Route = "static" if static is not None else "encoder_decoder" if encoder is not None else "dynamic"
+        if route == "dynamic" and is_hybrid(model):
+            route = "hybrid"
         return cls(
             spec=spec,
             route=route,
             batch=batch,
             sampling=sampling,
             stop_rules=stop_rules,
-            proposer=(make_proposer or build_proposer)(spec, model, tokenizer, encoder, static=static is not None),
+            proposer=proposer,
             max_length=config.max_length,
             streamer=streamer,
             output_scores=bool(config.return_dict_in_generate and config.output_scores),

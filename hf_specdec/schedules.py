@@ -42,6 +42,10 @@ class SpeculationSchedule:
     def observe(self, num_draft_tokens: torch.Tensor, num_accepted: torch.Tensor) -> None:
         """After each step: drafts per row ([B]) and how many of them the target accepted ([B])."""
 
+    def discard_timing(self) -> None:
+        """The step just run took longer than such steps will (a warm-up, a CUDA graph capture, a compaction):
+        a schedule that learns step costs leaves it out."""
+
     def select_rows(self, keep: torch.Tensor) -> None:
         """Rows `keep` ([B'] indices) stay in the batch; the others finished."""
 

@@ -90,13 +90,18 @@ class StepGraph:
         self.refused: set[Hashable] = set()
         self.capture_time_s = 0.0
         self.replays = 0
+        #: whether the latest step took what such a step takes from now on: a replay, or an eager step where this
+        #: key is never captured; not a warm-up, a capture or an eager step that compacted a cache
+        self.steady = True
 
     def run(self, key: Hashable | None, fits: bool) -> None:
         """One step: replayed when its key's graph is captured and `fits` (no cache needs compacting), else eager."""
         if key is None or not self.capture or key in self.refused or not fits:
             self._eager(key)
+            self.steady = fits
             return
         captured = self.graphs.get(key)
+        self.steady = captured is not None
         if captured is None:
             if self.eager_steps.get(key, 0) < WARMUP_STEPS:
                 self._eager(key)
@@ -105,6 +110,7 @@ class StepGraph:
             if captured is None:  # refused: steps with this key run eagerly
                 self._eager(key)
                 return
+        self._rehome()  # host work since the last step (a catch-up forward) may have replaced a state tensor
         captured.graph.replay()
         self.replays += 1
         for owner, name, delta in captured.host_deltas:
@@ -119,7 +125,11 @@ class StepGraph:
     def _eager(self, key: Hashable | None) -> None:
         self.step()
         self.eager_steps[key] = self.eager_steps.get(key, 0) + 1
-        for rebind in self.rebinds:  # an eager step replaces tensors too: put the values where the graphs read
+        self._rehome()  # an eager step replaces tensors too
+
+    def _rehome(self) -> None:
+        """Put each replaced state tensor's value where the graphs read it, and point its attribute back there."""
+        for rebind in self.rebinds:
             current = getattr(rebind.owner, rebind.name)
             if current is not rebind.home:
                 rebind.home.copy_(current)

@@ -177,8 +177,17 @@ class DraftModelProposer(Proposer):
 
     def plan_step(self, batch: RaggedBatch) -> Hashable | None:
         """A drafting step's catch-up forwards depend on how far behind the draft is: steady state (after a step
-        that drafted) or the first step is one shape; after steps without drafts it runs uncaptured."""
-        return self.behind if self.capturable and self.behind <= 2 else None
+        that drafted) or the first step is one shape. After steps without drafts the draft first catches up here,
+        before the step's graph, 2 tokens per forward (the forwards `propose` would run), to 1 or 2 behind."""
+        if not self.capturable:
+            return None
+        if self.behind > 2 and self.view is not None and self.static is not None:
+            servable = self._servable(batch)
+            for _ in range((self.behind - 1) // 2):
+                num_new = torch.where(servable, batch.lengths - self.view.cached_lengths, 0).clamp(max=2)  # [B]
+                self.view.forward(batch.token_ids, num_new, width=2)
+            self.behind -= 2 * ((self.behind - 1) // 2)
+        return self.behind
 
     def _servable(self, batch: RaggedBatch) -> torch.Tensor:  # [B] bool
         """Rows whose tokens all sit at positions the draft was built for (the others never draft again)."""

@@ -134,7 +134,9 @@ class Top1Proposer(Proposer):
         inner = self.inner.plan_step(batch)
         return None if inner is None else ("draft", inner)
 
-    def after_step(self) -> None:
+    def after_step(self, measured: bool = True) -> None:
+        if self.schedule is not None and not measured:
+            self.schedule.discard_timing()
         if self.planned_width is not None and self.last_num_accepted is not None:
             self.schedule.observe(self.last_num_draft_tokens, self.last_num_accepted)
         self.inner.after_step()

@@ -84,7 +84,9 @@ class StepSampling:
     processors: LogitsProcessorList
     do_sample: bool
     seeds: torch.Tensor  # [B] int64, one per row of the current batch
-    step: int = 0
+    #: the step of every draw: a 0-d int64 device counter (`advance` moves it inside the step's device work, so a
+    #: captured CUDA graph replays the draws of each step, not those of the step it was captured at)
+    step: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         check_processors(self.processors)
@@ -94,6 +96,8 @@ class StepSampling:
         self.pure = LogitsProcessorList([p for p in self.processors if is_pure(p)])
         self.prefix_free = all(type(p) in PREFIX_FREE_PROCESSORS for p in self.pure)
         self.row_ids = torch.arange(self.seeds.shape[0], device=self.seeds.device)  # [B] caller's row of each row
+        if self.step is None:
+            self.step = torch.zeros((), dtype=torch.int64, device=self.seeds.device)  # []
         # Only processors with per-row state need a copy sliced to the rows they score (see `processors_for_rows`).
         self.has_row_state = any(_has_row_state(p) for p in self.processors)
 
@@ -125,6 +129,10 @@ class StepSampling:
                 processors = processors_for_rows(processors, self.row_ids[rows.to(self.row_ids.device)])
             scores[rows, cols] = processors(token_ids[rows, :length], logits[rows, cols])
         return scores
+
+    def advance(self) -> None:
+        """The step's draws are taken: the next step draws anew (in place, device work only)."""
+        self.step.add_(1)
 
     def draw_uniforms(self, num: int) -> torch.Tensor:  # [B, num]
         return row_random.uniform(self.seeds, self.step, row_random.STREAM_ACCEPT, num)

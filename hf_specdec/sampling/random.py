@@ -64,10 +64,14 @@ def _mix64_(z: torch.Tensor) -> torch.Tensor:
     return z
 
 
-def _check_seeds(seeds: torch.Tensor, step: int, stream: int, n: int) -> None:
+def _check_seeds(seeds: torch.Tensor, step: int | torch.Tensor, stream: int, n: int) -> None:
     if not isinstance(seeds, torch.Tensor) or seeds.dtype != torch.int64 or seeds.dim() != 1:
         got = f"{tuple(seeds.shape)} {seeds.dtype}" if isinstance(seeds, torch.Tensor) else type(seeds).__name__
         raise ValueError(f"`seeds` must be a 1-D int64 tensor [B], got {got}; build it with `random_seeds(B)`.")
+    if isinstance(step, torch.Tensor):
+        if step.dtype != torch.int64 or step.dim() != 0:
+            raise TypeError(f"a tensor `step` must be a 0-d int64 tensor, got {tuple(step.shape)} {step.dtype}.")
+        step = 0  # checked: a device counter (a CUDA graph replays it), same draws as the int it holds
     for name, value in (("step", step), ("stream", stream), ("n", n)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"`{name}` must be a Python int, got {value!r} ({type(value).__name__}).")
@@ -75,15 +79,16 @@ def _check_seeds(seeds: torch.Tensor, step: int, stream: int, n: int) -> None:
         raise ValueError(f"`n` must be >= 0 (number of draws per row), got {n}.")
 
 
-def random_bits(seeds: torch.Tensor, step: int, stream: int, n: int) -> torch.Tensor:
+def random_bits(seeds: torch.Tensor, step: int | torch.Tensor, stream: int, n: int) -> torch.Tensor:
     """
     Returns 64 pseudo-random bits per (row, index), as int64 words, a pure function of (seed, step, stream, index).
 
     Args:
         seeds (`torch.Tensor` of shape `(batch_size,)`, int64):
             One seed per row (any int64 value, negative included).
-        step (`int`):
-            The decoding step (any integer; taken mod 2^64).
+        step (`int` or 0-d int64 `torch.Tensor`):
+            The decoding step (any integer; taken mod 2^64). A tensor (a device counter, which a captured CUDA
+            graph reads at replay) gives exactly the draws of the int it holds.
         stream (`int`):
             Which family of draws (`STREAM_ACCEPT`, `STREAM_RESIDUAL`, `STREAM_DRAFT + j`, ...).
         n (`int`):
@@ -95,14 +100,18 @@ def random_bits(seeds: torch.Tensor, step: int, stream: int, n: int) -> torch.Te
     _check_seeds(seeds, step, stream, n)
     # Chain the bijective mixer over the key parts so that distinct (seed, step, stream) give distinct keys.
     key = _mix64_(seeds + _signed(_GOLDEN))  # [B]
-    key = _mix64_(key.bitwise_xor_(_signed((step + 1) * _STEP_KEY)))  # [B]
+    if isinstance(step, torch.Tensor):  # int64 products wrap mod 2^64, as _signed does for the int
+        step_key = (step.to(seeds.device) + 1) * _signed(_STEP_KEY)  # [] int64
+    else:
+        step_key = _signed((step + 1) * _STEP_KEY)
+    key = _mix64_(key.bitwise_xor_(step_key))  # [B]
     key = _mix64_(key.bitwise_xor_(_signed((stream + 1) * _STREAM_KEY)))  # [B]
     index = torch.arange(1, n + 1, dtype=torch.int64, device=seeds.device)  # [n]
     # splitmix64 sequence: the i-th output is mix(key + i * golden).
     return _mix64_(index.mul_(_signed(_GOLDEN))[None, :] + key[:, None])  # [B, n]
 
 
-def uniform(seeds: torch.Tensor, step: int, stream: int, n: int) -> torch.Tensor:
+def uniform(seeds: torch.Tensor, step: int | torch.Tensor, stream: int, n: int) -> torch.Tensor:
     """
     Draws `n` uniforms per row in [0, 1), each a pure function of (seed, step, stream, index).
 
@@ -112,7 +121,7 @@ def uniform(seeds: torch.Tensor, step: int, stream: int, n: int) -> torch.Tensor
     Args:
         seeds (`torch.Tensor` of shape `(batch_size,)`, int64):
             One seed per row.
-        step (`int`):
+        step (`int` or 0-d int64 `torch.Tensor`):
             The decoding step.
         stream (`int`):
             Which family of draws; the accept test uses `STREAM_ACCEPT`.
@@ -126,7 +135,7 @@ def uniform(seeds: torch.Tensor, step: int, stream: int, n: int) -> torch.Tensor
     return bits.to(torch.float32).mul_(2.0**-_UNIFORM_BITS)  # [B, n]
 
 
-def exponential(seeds: torch.Tensor, step: int, stream: int, n: int) -> torch.Tensor:
+def exponential(seeds: torch.Tensor, step: int | torch.Tensor, stream: int, n: int) -> torch.Tensor:
     """
     Draws `n` Exp(1) values per row, each a pure function of (seed, step, stream, index).
 
@@ -136,7 +145,7 @@ def exponential(seeds: torch.Tensor, step: int, stream: int, n: int) -> torch.Te
     Args:
         seeds (`torch.Tensor` of shape `(batch_size,)`, int64):
             One seed per row.
-        step (`int`):
+        step (`int` or 0-d int64 `torch.Tensor`):
             The decoding step.
         stream (`int`):
             Which family of draws; the recovered and bonus tokens use `STREAM_RESIDUAL`.

@@ -1,0 +1,195 @@
+"""Benchmark on one GPU: hf_specdec with no flags (the captured static default) against what a user would run instead.
+
+The models and the synthetic-alpha draft are `bench_gpu_e2e.py`'s (an 8B-shaped bf16 Llama target, a 124M-shaped
+draft right with probability alpha). Baselines, timed in the same process and interleaved: plain eager `generate`
+(no flags) and plain `generate(cache_implementation="static")` (transformers compiles it). hf_specdec runs with no
+flags (`custom_generate=hf_specdec.generate, spec_decoder=SpecDecoder(draft_model=draft)`: the adaptive schedule
+and, on CUDA, the captured static path) and with `cache_implementation="dynamic"` (the eager path).
+
+Each setting runs `--rounds` rounds after one warm-up round; every round builds fresh `SpecDecoder`s and times each
+method once, in turn (the adaptive schedule keeps what it learned per target model across calls, as in a process
+that serves many calls). Reported: per-round tokens/s, the minimum and median of each ratio over the rounds, the
+default's acceptance, drafting share and graph replays, and whether every output equals plain's. `--part first`
+times each route's first call in a fresh process (`python -c`), after the models are built.
+
+Run (GPU): `PYTHONPATH=. python benchmarks/bench_gpu_default.py --part batch1 --out b1.json`
+(`--part batched` for B = 32, `--part first` for first calls; `--tiny` for a CPU dry run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import transformers
+
+import hf_specdec
+from benchmarks import bench_gpu_e2e as e2e
+from hf_specdec import adaptive
+
+K = 4
+
+
+def sync() -> None:
+    e2e.sync()
+
+
+def setup(batches: list[int], n_new: int, prompt_len: int) -> tuple:
+    target = e2e.build(e2e.TARGET_SHAPE, seed=0)
+    e2e.make_decisive(target)
+    draft = e2e.build(e2e.DRAFT_SHAPE, seed=1, cls=e2e.SyntheticDraft)
+    all_inputs = {b: e2e.prompts(b, prompt_len, ragged=b > 1) for b in batches}
+    e2e.teach_synthetic_draft(target, draft, all_inputs.values(), n_new)
+    return target, draft, all_inputs
+
+
+def run_setting(name: str, target, draft, inputs, alpha: float, n_new: int, rounds: int,  # noqa: ANN001
+                sample: bool = False) -> dict:  # fmt: skip
+    """Interleaved rounds of every route at one setting (fresh SpecDecoders each round)."""
+    draft.alpha = alpha
+    adaptive._MEMORY.pop(target, None)  # each setting starts from what a fresh process knows about this model
+    batch = inputs["input_ids"].shape[0]
+    gen = dict(max_new_tokens=n_new, do_sample=sample)
+    if sample:
+        gen.update(temperature=0.8, top_p=0.9, top_k=0)
+    plain = {
+        "plain_eager": lambda: target.generate(**inputs, **gen),
+        "plain_compiled": lambda: target.generate(**inputs, **gen, cache_implementation="static"),
+    }
+    specs: dict[str, hf_specdec.SpecDecoder] = {}
+
+    def ours(route: str, seed: int):  # noqa: ANN202
+        def call() -> torch.Tensor:
+            spec = specs[route] = hf_specdec.SpecDecoder(draft_model=draft, num_speculative_tokens=K,
+                                                          seed=seed if sample else None)  # fmt: skip
+            extra = {"cache_implementation": "dynamic"} if route == "ours_dynamic" else {}
+            return target.generate(**inputs, **gen, **extra, custom_generate=hf_specdec.generate, spec_decoder=spec)
+
+        return call
+
+    fns = {**plain, "ours_default": ours("ours_default", 1), "ours_dynamic": ours("ours_dynamic", 2)}
+    samples: dict[str, list[float]] = {key: [] for key in fns}
+    stats: list[dict] = []
+    identical: dict[str, bool] = {}
+    with torch.no_grad():
+        reference = {key: fn() for key, fn in fns.items()}  # warm-up round (compiles plain static)
+        for key in ("ours_default", "ours_dynamic", "plain_compiled"):
+            identical[key] = bool((reference[key] == reference["plain_eager"]).all()) if not sample else None
+        for _ in range(rounds):
+            for key, fn in fns.items():
+                sync()
+                t0 = time.perf_counter()
+                out = fn()
+                sync()
+                samples[key].append(time.perf_counter() - t0)
+                if not sample and key.startswith("ours"):
+                    identical[key] = identical[key] and bool((out == reference["plain_eager"]).all())
+            s = specs["ours_default"].last_stats
+            stats.append(dict(acceptance=s.acceptance_rate, mean_accepted_length=s.mean_accepted_length,
+                              drafting_share=s.num_drafting_row_steps / max(1, s.num_row_steps), steps=s.num_steps,
+                              replays=s.num_graph_replays, capture_s=s.compile_time_s,
+                              dynamic_drafting_share=specs["ours_dynamic"].last_stats.num_drafting_row_steps
+                              / max(1, specs["ours_dynamic"].last_stats.num_row_steps)))  # fmt: skip
+    tps = {key: [batch * n_new / t for t in ts] for key, ts in samples.items()}
+    ratios = {}
+    for ours_key in ("ours_default", "ours_dynamic"):
+        for base in ("plain_eager", "plain_compiled"):
+            per_round = [b / o for b, o in zip(samples[base], samples[ours_key])]
+            ratios[f"{ours_key}_vs_{base}"] = dict(min=min(per_round), median=statistics.median(per_round),
+                                                   rounds=per_round)  # fmt: skip
+    row = dict(setting=name, batch=batch, alpha=alpha, sample=sample, k=K, n_new=n_new,
+               tps_median={k: statistics.median(v) for k, v in tps.items()}, tps=tps, ratios=ratios, stats=stats,
+               identical_to_plain_eager=identical)  # fmt: skip
+    print(json.dumps({"setting": name, "tps_median": row["tps_median"],
+                      "ratios": {k: (round(v["min"], 3), round(v["median"], 3)) for k, v in ratios.items()},
+                      "identical": identical, "stats_last": stats[-1]}), flush=True)  # fmt: skip
+    return row
+
+
+FIRST_CALL = """
+import time, torch, sys
+sys.path.insert(0, '.')
+import hf_specdec
+from benchmarks import bench_gpu_default as b
+from benchmarks import bench_gpu_e2e as e2e
+target, draft, all_inputs = b.setup([{batch}], {n_new}, {prompt_len})
+inputs = all_inputs[{batch}]
+torch.cuda.synchronize()
+t0 = time.perf_counter()
+with torch.no_grad():
+    if '{route}' == 'plain_eager':
+        target.generate(**inputs, max_new_tokens={n_new}, do_sample=False)
+    elif '{route}' == 'plain_compiled':
+        target.generate(**inputs, max_new_tokens={n_new}, do_sample=False, cache_implementation='static')
+    else:
+        spec = hf_specdec.SpecDecoder(draft_model=draft, num_speculative_tokens={k})
+        extra = dict(cache_implementation='dynamic') if '{route}' == 'ours_dynamic' else dict()
+        target.generate(**inputs, max_new_tokens={n_new}, do_sample=False, custom_generate=hf_specdec.generate,
+                        spec_decoder=spec, **extra)
+torch.cuda.synchronize()
+print('FIRST', time.perf_counter() - t0)
+"""
+
+
+def first_calls(batch: int, n_new: int, prompt_len: int) -> dict:
+    """Each route's first call in a fresh process (teaching the synthetic draft runs plain generate first, so
+    CUDA and cuBLAS are already initialised for every route alike)."""
+    out = {}
+    for route in ("plain_eager", "plain_compiled", "ours_default", "ours_dynamic"):
+        code = FIRST_CALL.format(batch=batch, n_new=n_new, prompt_len=prompt_len, route=route, k=K)
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
+        line = [ln for ln in proc.stdout.splitlines() if ln.startswith("FIRST")]
+        out[route] = float(line[-1].split()[1]) if line else proc.stderr[-2000:]
+        print(json.dumps({"first_call_s": {route: out[route]}}), flush=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=["batch1", "batched", "first"], default="batch1")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--batches", nargs="+", type=int, default=[32])
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU: a dry run of the script")
+    args = parser.parse_args()
+    if args.tiny:
+        e2e.DEVICE = "cpu"
+        e2e.TARGET_SHAPE.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2)  # fmt: skip
+        e2e.DRAFT_SHAPE.update(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                               num_key_value_heads=2)  # fmt: skip
+    results: dict = {"meta": dict(gpu=e2e.device_name(), torch=torch.__version__,
+                                  transformers=transformers.__version__, python=platform.python_version(),
+                                  new_tokens=args.new_tokens, prompt_len=args.prompt_len, part=args.part,
+                                  rounds=args.rounds, command=" ".join(sys.argv))}  # fmt: skip
+    n_new = args.new_tokens
+    if args.part == "first":
+        results["first_call_s"] = first_calls(1, n_new, args.prompt_len)
+    else:
+        batches = [1] if args.part == "batch1" else args.batches
+        target, draft, all_inputs = setup(batches, n_new, args.prompt_len)
+        rows = []
+        for b in batches:
+            settings = [(0.8, False), (0.0, False), (0.8, True)] if b == 1 else [(0.8, False), (0.0, False)]
+            for alpha, sample in settings:
+                name = f"B={b} alpha={alpha}{' sampling T=0.8 top-p 0.9' if sample else ' greedy'}"
+                rows.append(run_setting(name, target, draft, all_inputs[b], alpha, n_new, args.rounds, sample))
+                results["rows"] = rows
+                if args.out:  # after each setting, so a run cut short keeps what it measured
+                    with open(args.out, "w") as f:
+                        json.dump(results, f, indent=1)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

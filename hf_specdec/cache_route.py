@@ -1,0 +1,104 @@
+"""Which cache path a call takes: dynamic (eager), or static with each whole step captured as a CUDA graph.
+
+The caller's `cache_implementation` decides when given: `"static"` runs on static caches with the forwards
+transformers would compile, `"dynamic"` on the eager dynamic path. With none (the default), a call on CUDA takes the
+static path with its whole step captured as CUDA graphs of the *eager* forwards (no inductor compile: capture costs
+seconds, not minutes) whenever its step can be captured; a `compile_config` adds compiled forwards inside the same
+captured step. Anything that cannot be captured (a CPU model, a placement over several devices, a hybrid, host work
+inside the step) keeps the dynamic path, and the reason is said once per process. On the CPU nothing changes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from transformers import GenerationConfig, PreTrainedModel
+
+logger = logging.getLogger("hf_specdec")
+
+#: Set to 0 to keep the default route on the dynamic cache on CUDA (the behaviour before the captured default).
+DEFAULT_STATIC_ENV = "HF_SPECDEC_DEFAULT_STATIC"
+
+#: Methods whose whole step can be captured on the static path (others run eagerly there, so the default keeps them
+#: on the dynamic path).
+CAPTURABLE_METHODS = ("draft", "ngram")
+
+_SAID: set[str] = set()
+
+
+@dataclass(frozen=True)
+class CacheRoute:
+    """The cache path of one call."""
+
+    static: bool  # static caches (transformers' `StaticCache`, fixed shapes)
+    compile: bool  # forwards compiled as plain `generate` would (asked for: cache_implementation="static" or a
+    #: compile_config); otherwise eager forwards, captured with the whole step on a GPU
+    by_default: bool  # chosen by hf_specdec (no cache_implementation given): a step that turns out uncapturable
+    #: falls back to the dynamic path instead of being refused
+
+
+def default_blocker(model: PreTrainedModel, spec: Any, generation_config: GenerationConfig, cache: Any) -> str | None:
+    """Why a call with no `cache_implementation` cannot take the captured static path (None: it can), from what is
+    known before any proposer or model work. The step's own capturability is checked once the loop's parts exist
+    (`hf_specdec.decoding.capture_blocker`)."""
+    from hf_specdec.model_support import alibi_from_columns
+    from hf_specdec.recurrent import is_hybrid
+
+    if os.environ.get(DEFAULT_STATIC_ENV, "1") == "0":
+        return f"{DEFAULT_STATIC_ENV}=0"
+    if model.device.type != "cuda":
+        return None if model.device.type == "cpu" else f"the model is on {model.device.type}, not CUDA"
+    devices = set(getattr(model, "hf_device_map", {}).values())
+    if len(devices) > 1:
+        return f"the model is placed on several devices ({sorted(map(str, devices))})"
+    if model.config.is_encoder_decoder:
+        return "encoder-decoder targets run on the dynamic cache"
+    if spec.method not in CAPTURABLE_METHODS or spec.draft_tokenizer is not None:
+        return f"method={spec.method!r}{' with a draft tokenizer' if spec.draft_tokenizer else ''} is not captured yet"
+    if spec.draft_confidence_threshold:
+        return "draft_confidence_threshold learns on the host every step"
+    if spec.num_speculative_tokens_schedule not in ("constant", "adaptive"):
+        return f"the {spec.num_speculative_tokens_schedule!r} schedule decides on the host every step"
+    if any(m is not None and is_hybrid(m) for m in (model, spec.draft_model)):
+        return "hybrid models (recurrent layers) run eagerly"
+    if any(m is not None and alibi_from_columns(m) for m in (model, spec.draft_model)):
+        return "MPT-style ALiBi (bias from cache columns) is exact only on the dynamic cache"
+    if spec.on_step is not None:
+        return "on_step reads every step on the host"
+    if generation_config.return_dict_in_generate:
+        return "return_dict_in_generate hands back the dynamic cache"
+    if cache is not None and getattr(cache, "_is_user_defined", False):
+        return "a past_key_values of the caller's is filled on the dynamic path"
+    return None
+
+
+def choose_route(
+    model: PreTrainedModel, spec: Any, generation_config: GenerationConfig, cache: Any = None
+) -> CacheRoute:
+    """The call's cache path before the proposer is built (see the module docstring)."""
+    asked = generation_config.cache_implementation
+    if asked == "static":
+        return CacheRoute(static=True, compile=True, by_default=False)
+    if asked is not None or model.device.type == "cpu":  # "dynamic", or the CPU: unchanged
+        return CacheRoute(static=False, compile=False, by_default=False)
+    blocker = default_blocker(model, spec, generation_config, cache)
+    if blocker is not None:
+        say_once(blocker)
+        return CacheRoute(static=False, compile=False, by_default=True)
+    return CacheRoute(static=True, compile=generation_config.compile_config is not None, by_default=True)
+
+
+def say_once(reason: str) -> None:
+    """Tell the user once per process why a default call on CUDA runs on the eager dynamic path."""
+    if reason in _SAID:
+        return
+    _SAID.add(reason)
+    logger.warning(
+        "hf_specdec: this call runs on the eager dynamic cache, not the captured static path (%s). Outputs are the "
+        "same; pass cache_implementation='dynamic' to choose it explicitly, or see docs/usage.md ('The default "
+        "path on a GPU').",
+        reason,
+    )
