@@ -54,9 +54,8 @@ class CallPlan:
     """One `generate` call, checked and resolved: what the loop runs and how its outputs are laid out."""
 
     spec: SpecDecoder
-    route: (
-        Route  # static (hybrids too: `static.hybrid`), hybrid (dynamic, recurrent rollback), encoder_decoder, dynamic
-    )
+    #: static (hybrids too: `static.hybrid`), hybrid (dynamic cache, recurrent rollback), encoder_decoder, dynamic
+    route: Route
     batch: RaggedBatch
     sampling: StepSampling
     stop_rules: StopRules
