@@ -50,7 +50,7 @@ def setup(batches: list[int], n_new: int, prompt_len: int) -> tuple:
 
 
 def run_setting(name: str, target, draft, inputs, alpha: float, n_new: int, rounds: int,  # noqa: ANN001
-                sample: bool = False) -> dict:  # fmt: skip
+                sample: bool = False, method: str = "draft") -> dict:  # fmt: skip
     """Interleaved rounds of every route at one setting (fresh SpecDecoders each round)."""
     draft.alpha = alpha
     adaptive._MEMORY.pop(target, None)  # each setting starts from what a fresh process knows about this model
@@ -66,7 +66,8 @@ def run_setting(name: str, target, draft, inputs, alpha: float, n_new: int, roun
 
     def ours(route: str, seed: int):  # noqa: ANN202
         def call() -> torch.Tensor:
-            spec = specs[route] = hf_specdec.SpecDecoder(draft_model=draft, num_speculative_tokens=K,
+            drafting = dict(draft_model=draft) if method == "draft" else dict(method="ngram")
+            spec = specs[route] = hf_specdec.SpecDecoder(**drafting, num_speculative_tokens=K,
                                                           seed=seed if sample else None)  # fmt: skip
             extra = {"cache_implementation": "dynamic"} if route == "ours_dynamic" else {}
             return target.generate(**inputs, **gen, **extra, custom_generate=hf_specdec.generate, spec_decoder=spec)
@@ -103,7 +104,7 @@ def run_setting(name: str, target, draft, inputs, alpha: float, n_new: int, roun
             per_round = [b / o for b, o in zip(samples[base], samples[ours_key])]
             ratios[f"{ours_key}_vs_{base}"] = dict(min=min(per_round), median=statistics.median(per_round),
                                                    rounds=per_round)  # fmt: skip
-    row = dict(setting=name, batch=batch, alpha=alpha, sample=sample, k=K, n_new=n_new,
+    row = dict(setting=name, method=method, batch=batch, alpha=alpha, sample=sample, k=K, n_new=n_new,
                tps_median={k: statistics.median(v) for k, v in tps.items()}, tps=tps, ratios=ratios, stats=stats,
                identical_to_plain_eager=identical)  # fmt: skip
     print(json.dumps({"setting": name, "tps_median": row["tps_median"],
@@ -137,6 +138,18 @@ print('FIRST', time.perf_counter() - t0)
 """
 
 
+def lookup_prompts(target, inputs: dict, n_new: int) -> dict:  # noqa: ANN001
+    """Prompts that contain the text the target will write: each prompt, then plain's continuation of it, then
+    the prompt again (the decisive target's next token depends on the current token alone, so the continuation of
+    the whole equals the continuation of the prompt, which prompt lookup finds in the middle)."""
+    with torch.no_grad():
+        seq = target.generate(**inputs, max_new_tokens=n_new + 8, do_sample=False)
+    width = inputs["input_ids"].shape[1]
+    ids = torch.cat([seq, inputs["input_ids"]], dim=1)  # left padding stays on the left
+    mask = torch.cat([inputs["attention_mask"], torch.ones_like(seq[:, width:]), inputs["attention_mask"]], dim=1)
+    return {"input_ids": ids, "attention_mask": mask}
+
+
 def first_calls(batch: int, n_new: int, prompt_len: int) -> dict:
     """Each route's first call in a fresh process (teaching the synthetic draft runs plain generate first, so
     CUDA and cuBLAS are already initialised for every route alike)."""
@@ -152,7 +165,7 @@ def first_calls(batch: int, n_new: int, prompt_len: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=["batch1", "batched", "first"], default="batch1")
+    parser.add_argument("--part", choices=["batch1", "batched", "ngram", "first"], default="batch1")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
@@ -178,6 +191,12 @@ def main() -> None:
         target, draft, all_inputs = setup(batches, n_new, args.prompt_len)
         rows = []
         for b in batches:
+            if args.part == "ngram":  # prompt lookup on prompts that hold the answer
+                inputs = lookup_prompts(target, e2e.prompts(b, args.prompt_len, ragged=False), n_new)
+                rows.append(run_setting(f"B={b} prompt lookup, answer in the prompt", target, draft, inputs, 0.0,
+                                        n_new, args.rounds, method="ngram"))  # fmt: skip
+                results["rows"] = rows
+                continue
             settings = [(0.8, False), (0.0, False), (0.8, True)] if b == 1 else [(0.8, False), (0.0, False)]
             for alpha, sample in settings:
                 name = f"B={b} alpha={alpha}{' sampling T=0.8 top-p 0.9' if sample else ' greedy'}"

@@ -337,7 +337,9 @@ class AdaptiveSchedule(SpeculationSchedule):
         widths = self.widths
         known = costs is not None and costs.calibrated and costs.covers(widths)
         if self.time_verify is not None and not (known and costs.complete(widths)):
-            costs = costs if costs is not None and costs.calibrated else StepCosts()
+            # Static caches: the eager forwards timed here only seed the costs until captured steps are measured,
+            # so one pass (the model's first call) is enough.
+            costs = costs if costs is not None and costs.calibrated else StepCosts(max_passes=1 if self.static else 3)
             costs.calibrate(self.time_verify, widths)
         elif not known:
             nearby = [(abs(b - batch_size), b) for (key, b), c in self.memory.costs.items()
@@ -378,13 +380,14 @@ class AdaptiveSchedule(SpeculationSchedule):
     def plans_on_host(self) -> bool:
         """Whether the choice is made before drafting, on the host alone (`host_budgets`): a draft model's steps
         can then be captured as CUDA graphs, one for drafting steps and one for steps without drafts."""
-        return not self.propose_first
+        return not self.propose_first or self.static
 
     def budgets(self, batch: RaggedBatch) -> torch.Tensor:  # [B]
         return self.host_budgets(batch).to(batch.device)
 
     def host_budgets(self, batch: RaggedBatch) -> torch.Tensor:  # [B] (host)
         """Drafts each row may have this step, decided on the host; also starts timing the step."""
+        planned_keys = self.keys  # static prompt lookup: the keys of the row's previous drafts (`observe`)
         self.keys = torch.zeros(batch.batch_size, dtype=torch.long)  # a draft model's rows have one key
         if self.prefilling:  # step 0 (the prefill) drafts nothing: its costs are not known, and it is plain's own
             self.prefilling = False
@@ -404,8 +407,12 @@ class AdaptiveSchedule(SpeculationSchedule):
             bucket = context_bucket(float((batch.lengths - batch.pad_lengths).float().mean()) if batch.batch_size else 0.0)
         self.pending = _Step(costs, bucket, time.perf_counter())
         full = torch.full((batch.batch_size,), self.max_k, dtype=torch.long)  # [B]
-        if self.propose_first:
+        if self.propose_first and not self.static:  # chosen after proposing, from the drafts' keys (`trim`)
             return full
+        if self.propose_first and planned_keys.shape[0] == batch.batch_size:
+            # Static prompt lookup, planned before its device work: every drafting step verifies k + 1 slots, so
+            # trimming rows saves nothing; whether to draft is judged by each row's previous drafts' keys.
+            self.keys = planned_keys
         return self._choose(self.keys, full)
 
     def discard_timing(self) -> None:
@@ -436,22 +443,37 @@ class AdaptiveSchedule(SpeculationSchedule):
         self.expected = torch.cat([torch.zeros(len(keys), 1), survival.cumsum(1)], dim=1)  # [B, K + 1]
         survival = (survival * self.row_factors()[:, None]).clamp(max=1.0)
         budgets = best_width(survival, num_drafts, table, self.margin)[1]
-        if bool((budgets > 0).any()):
+        drafting = bool((budgets > 0).any())
+        if drafting:
             self.drafting_steps += 1
-            if self.explore_plain():
-                return torch.zeros_like(budgets)
+        explore = self.explore(drafting)
+        if explore is not None:
+            return num_drafts.clone() if explore else torch.zeros_like(budgets)
         return budgets
 
-    def explore_plain(self) -> bool:
-        """Static caches: whether to run a plain step now to measure its cost (drafting was chosen): after three
-        drafting steps, until `plain_samples_needed` steady plain steps are known for this batch size. The costs
-        are kept across calls, so only a model's first calls pay these few plain steps."""
-        if self.pending is None or self.drafting_steps < 3:
-            return False
-        steps = self.pending.costs.at(self.pending.bucket)
-        return steps.samples.get(1, 0) < self.plain_samples_needed
+    def explore(self, drafting: bool) -> bool | None:
+        """Static caches: the kind of step to run now to measure its cost (True: draft, False: plain), or None.
 
-    def observe(self, num_draft_tokens: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        Calibration times eager forwards, whose first runs on a GPU carry one-time costs and whose proportions are
+        not a captured step's; so each kind is trusted only once `plain_samples_needed` of its own steady steps
+        were timed at this batch size: drafting is tried first (until measured, however poor the drafts look),
+        then, after three drafting steps, plain steps. Costs are kept across calls: only a model's first call at a
+        batch size pays these few steps."""
+        if not self.plain_samples_needed or self.pending is None:
+            return None
+        samples = self.pending.costs.at(self.pending.bucket).samples
+        if not drafting and samples.get(self.max_k + 1, 0) < self.plain_samples_needed:
+            self.drafting_steps += 1
+            return True
+        if drafting and self.drafting_steps > 3 and samples.get(1, 0) < self.plain_samples_needed:
+            return False
+        return None
+
+    def observe(
+        self, num_draft_tokens: torch.Tensor, num_accepted: torch.Tensor, draft_keys: torch.Tensor | None = None
+    ) -> None:
+        if draft_keys is not None:  # a planned step's drafts came with keys after the choice (static prompt lookup)
+            self.keys = draft_keys.cpu()
         drafted, accepted = num_draft_tokens.cpu(), num_accepted.cpu()
         self.stats.record(self.keys, drafted, accepted)
         self.row_accepted *= self.row_decay

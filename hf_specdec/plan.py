@@ -151,6 +151,7 @@ class CallPlan:
         make_proposer = make_proposer or build_proposer
         proposer = make_proposer(spec, model, tokenizer, encoder, static=static is not None)
         if static is not None and cache_route.by_default:  # the default takes the static path only where it is captured
+            proposer.use_static(static)  # what it can capture depends on the path (prompt lookup: on the device)
             blocker = capture_blocker(sampling, stop_rules, exact, proposer, host_outputs=False, hybrid=static.hybrid)
             if blocker is not None:
                 say_once(blocker)

@@ -39,8 +39,11 @@ class SpeculationSchedule:
         """After proposing: how many of each row's drafts to verify (all of them by default)."""
         return proposal.num_draft_tokens
 
-    def observe(self, num_draft_tokens: torch.Tensor, num_accepted: torch.Tensor) -> None:
-        """After each step: drafts per row ([B]) and how many of them the target accepted ([B])."""
+    def observe(
+        self, num_draft_tokens: torch.Tensor, num_accepted: torch.Tensor, draft_keys: torch.Tensor | None = None
+    ) -> None:
+        """After each step: drafts per row ([B]), how many of them the target accepted ([B]) and, for a step planned
+        before proposing, the drafts' keys ([B], `Proposal.draft_keys`)."""
 
     def discard_timing(self) -> None:
         """The step just run took longer than such steps will (a warm-up, a CUDA graph capture, a compaction):
@@ -79,7 +82,9 @@ class HeuristicSchedule(SpeculationSchedule):
         assert self.k_rows is not None, "start() must run before budgets()"
         return self.k_rows
 
-    def observe(self, num_draft_tokens: torch.Tensor, num_accepted: torch.Tensor) -> None:
+    def observe(
+        self, num_draft_tokens: torch.Tensor, num_accepted: torch.Tensor, draft_keys: torch.Tensor | None = None
+    ) -> None:
         assert self.k_rows is not None
         drafted = num_draft_tokens > 0  # [B] rows with no drafts keep their length
         grown = torch.where(num_accepted >= num_draft_tokens, self.k_rows + 2, (self.k_rows - 1).clamp(min=1))

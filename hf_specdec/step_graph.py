@@ -41,6 +41,8 @@ def state_owners(root: object) -> list[object]:
             return
         if not type(value).__module__.startswith("hf_specdec") or id(value) in seen or not hasattr(value, "__dict__"):
             return
+        if getattr(value, "step_bookkeeping", False):  # a StepGraph's records of homes are not the step's state
+            return
         seen[id(value)] = value
         for attribute in vars(value).values():
             visit(attribute)
@@ -78,6 +80,10 @@ class StepGraph:
 
     The key names the host decisions that shape a step's device work (e.g. whether it drafts): steps with the same
     key run the same kernels on the same addresses. `run(None, ...)` runs a step eagerly."""
+
+    #: `state_owners` does not walk into a StepGraph (its records hold the homes of the state tensors, which would
+    #: make every rebound tensor look shared with other state at the next capture)
+    step_bookkeeping = True
 
     def __init__(self, root: object, step: Callable[[], None], description: str, capture: bool = True) -> None:
         self.root = root

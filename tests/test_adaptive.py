@@ -376,3 +376,54 @@ def test_on_static_caches_every_drafting_step_costs_the_full_verify(monkeypatch)
     verified = _drive(monkeypatch, forward, {0: 0.6}, keys=[0], propose_first=False, schedule=schedule)
     assert all(row[0] in (0, K) for row in verified), verified[:20]
     assert sum(row[0] == K for row in verified[50:]) >= 0.9 * 250
+
+
+def _drive_captured(monkeypatch, schedule: AdaptiveSchedule, alpha: float, steps: int = 40) -> str:
+    """One call on static caches against the costs of captured steps on an H100 at batch 1 (a plain step 10.5 ms, a
+    drafting step 17 ms), with a calibration whose eager width-1 forward paid a one-time 925 ms (as measured there);
+    each kind's first step of the call is a warm-up or a capture (`discard_timing`). Returns the kinds run
+    ("d" drafting, "p" plain) after the prefill step."""
+    clock = FakeClock()
+    monkeypatch.setattr(adaptive.time, "perf_counter", clock)
+    schedule.calibrate(lambda width: 0.925 if width == 1 else 0.03)
+    schedule.start(1, torch.device("cpu"))
+    batch = RaggedBatch(torch.zeros(1, 4, dtype=torch.long), torch.full((1,), 4), torch.zeros(1, dtype=torch.long),
+                        torch.arange(1), 4)  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    kinds, seen = [], set()
+    for _ in range(steps):
+        used = schedule.budgets(batch)  # [1]
+        draws = torch.rand(1, schedule.max_k, generator=g) < alpha
+        accepted = torch.where(draws.all(1), schedule.max_k, (~draws).int().argmax(1))
+        schedule.observe(used, torch.minimum(accepted, used))
+        kind = "d" if int(used.max()) else "p"
+        if kind not in seen:  # a warm-up or a capture: longer than such steps take from now on
+            seen.add(kind)
+            schedule.discard_timing()
+        clock.now += (0.017 if kind == "d" else 0.0105) + (0.2 if kind not in kinds else 0.0)
+        kinds.append(kind)
+    return "".join(kinds[1:])
+
+
+@pytest.mark.parametrize("alpha", [0.8, 0.0])
+def test_captured_steps_price_each_kind_by_its_own_steady_steps(monkeypatch, alpha):
+    """On a GPU's static path the schedule prices a plain and a drafting step by their own steady (replayed) steps:
+    an eager calibration (first runs of a width cost 30x the rest) must neither switch off a draft that pays nor
+    keep a useless one (an H100 run drafted nothing at alpha = 0.8 before this). Costs persist: a second call
+    needs no exploring."""
+
+    class Model:
+        pass
+
+    model = Model()
+    kinds = []
+    for _ in range(2):
+        schedule = AdaptiveSchedule(4, model, "draft:0", propose_first=False, draft_share=0.015, static=True)
+        kinds.append(_drive_captured(monkeypatch, schedule, alpha))
+    first, second = kinds
+    if alpha:
+        assert first[10:].count("d") >= 0.9 * len(first[10:]), first  # explored plain steps, then drafts
+        assert second.count("d") >= 0.9 * len(second), second
+    else:
+        assert first[8:].count("p") >= 0.9 * len(first[8:]), first  # off within 8 steps
+        assert second[2:].count("p") >= 0.9 * len(second[2:]), second

@@ -181,6 +181,8 @@ class DraftModelProposer(Proposer):
         before the step's graph, 2 tokens per forward (the forwards `propose` would run), to 1 or 2 behind."""
         if not self.capturable:
             return None
+        if self.behind == 1:  # the first step: 1 behind catches up in the same 2-slot forward as 2 behind (one key)
+            self.behind = 2
         if self.behind > 2 and self.view is not None and self.static is not None:
             servable = self._servable(batch)
             for _ in range((self.behind - 1) // 2):

@@ -1,9 +1,11 @@
 """N-gram prompt-lookup proposer: drafts copied from earlier in each row's own context.
 
-Each step the batch's tokens are copied to the host once and searched by the numba kernel in
-`hf_specdec.proposers.ngram_search` (largest matching n-gram, most recent occurrence). Drafts are one-hot
-(no probabilities), so exact speculative sampling treats them as a deterministic draft. The proposer keeps
-no state between steps: `prefill`, `commit` and `select_rows` are no-ops.
+On dynamic caches the batch's tokens are copied to the host once per step and searched by the numba kernel in
+`hf_specdec.proposers.ngram_search` (largest matching n-gram, most recent occurrence). On static caches the same
+search runs on the device (`hf_specdec.proposers.ngram_device`: fixed shapes, no host read), so a whole step can
+be captured as one CUDA graph. Drafts are one-hot (no probabilities), so exact speculative sampling treats them
+as a deterministic draft. The proposer keeps no state between steps: `prefill`, `commit` and `select_rows` are
+no-ops.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 
 from hf_specdec.proposers import ProposerContext, register
 from hf_specdec.proposers.base import Proposal, Proposer
+from hf_specdec.proposers.ngram_device import ngram_search_device
 from hf_specdec.proposers.ngram_search import ngram_search
 
 if TYPE_CHECKING:
@@ -31,8 +34,10 @@ class NgramProposer(Proposer):
     Prompt-lookup ("n-gram") drafting: look the last n tokens of each row up earlier in the same row and
     propose the tokens that followed the most recent occurrence, preferring the largest n.
 
-    The returned `Proposal.draft_token_ids` is trimmed to the largest number of drafts any row actually got
-    this step (between 0 and `num_speculative_tokens`), so steps where few rows match verify a narrower block.
+    On dynamic caches the returned `Proposal.draft_token_ids` is trimmed to the largest number of drafts any row
+    actually got this step (between 0 and `num_speculative_tokens`), so steps where few rows match verify a
+    narrower block. On static caches (`use_static`) it always has width `num_speculative_tokens` (-1 padded),
+    found on the device without a host read: the proposer is then `capturable`.
 
     Args:
         num_speculative_tokens (`int`):
@@ -66,6 +71,11 @@ class NgramProposer(Proposer):
         self.prompt_lookup_min = int(prompt_lookup_min)
         self.prompt_lookup_max = int(prompt_lookup_max)
 
+    @property
+    def capturable(self) -> bool:  # type: ignore[override]
+        """On static caches the search runs on the device with fixed shapes: a step can be one CUDA graph."""
+        return self.static is not None
+
     def propose(
         self,
         batch: RaggedBatch,
@@ -75,9 +85,10 @@ class NgramProposer(Proposer):
         """
         Search every row of `batch` for a repeated n-gram and return its continuation as drafts.
 
-        `sampling` is ignored: drafts are one-hot (`draft_probs=None`). Two device-to-host copies per step:
-        the per-row metadata (lengths, left padding, draft budget: one `[3, B]` tensor) and the token buffer
-        up to the longest row (`[B, max(lengths)]`).
+        `sampling` is ignored: drafts are one-hot (`draft_probs=None`). On dynamic caches, two device-to-host
+        copies per step: the per-row metadata (lengths, left padding, draft budget: one `[3, B]` tensor) and the
+        token buffer up to the longest row (`[B, max(lengths)]`), searched by numba. On static caches, none: the
+        search runs on `batch.device` over the whole buffer and the width is always k.
 
         Args:
             batch ([`RaggedBatch`]): The rows still generating.
@@ -87,8 +98,19 @@ class NgramProposer(Proposer):
         Returns:
             [`Proposal`]: `draft_token_ids` `[B, k']` (-1 padded), `num_draft_tokens` `[B]` and `draft_keys` `[B]`
             (the n of the n-gram that matched, 0 without drafts) on `batch.device`, with k' the largest count
-            in the batch (0 when no row matched).
+            in the batch (0 when no row matched), or k on static caches.
         """
+        if self.static is not None:
+            drafts, counts, match_lengths = ngram_search_device(
+                batch.token_ids,
+                batch.pad_lengths,
+                batch.lengths,
+                max_draft_tokens,
+                self.prompt_lookup_min,
+                self.prompt_lookup_max,
+                self.num_speculative_tokens,
+            )  # [B, k], [B], [B]
+            return Proposal(drafts, counts, draft_probs=None, draft_keys=match_lengths)
         batch_size = batch.batch_size
         device = batch.device
         if batch_size == 0:

@@ -3,9 +3,9 @@
 Rows that would run past the draft's position limit (or a user `max_draft_len`), rows whose schedule gives
 them no drafts this step, and rows for which the inner proposer finds nothing get 0 drafts and simply decode
 one token through the same batched target forward. The inner proposer runs only for the rows that may
-speculate (a sub-batch for stateless proposers, zero budgets otherwise), and its result is merged back with
-`-1` ids and zero probabilities. `build_proposer` always wraps its proposer in one, so this is the single
-place where per-row draft budgets are decided.
+speculate (a sub-batch for stateless proposers on dynamic caches, zero budgets otherwise), and its result is
+merged back with `-1` ids and zero probabilities. `build_proposer` always wraps its proposer in one, so this is
+the single place where per-row draft budgets are decided.
 """
 
 from __future__ import annotations
@@ -72,6 +72,7 @@ class Top1Proposer(Proposer):
         self.planned_width: int | None = None
         self.planned_budgets: torch.Tensor | None = None  # [B]
         self.last_num_accepted: torch.Tensor | None = None  # [B]
+        self.last_draft_keys: torch.Tensor | None = None  # [B] keys of the latest planned drafts (prompt lookup)
 
     @property
     def returns_probs(self) -> bool:  # type: ignore[override]
@@ -138,7 +139,7 @@ class Top1Proposer(Proposer):
         if self.schedule is not None and not measured:
             self.schedule.discard_timing()
         if self.planned_width is not None and self.last_num_accepted is not None:
-            self.schedule.observe(self.last_num_draft_tokens, self.last_num_accepted)
+            self.schedule.observe(self.last_num_draft_tokens, self.last_num_accepted, self.last_draft_keys)
         self.inner.after_step()
 
     def propose(self, batch: RaggedBatch, max_draft_tokens: torch.Tensor, sampling: StepSampling) -> Proposal:
@@ -150,6 +151,8 @@ class Top1Proposer(Proposer):
             else:
                 budget = self.budgets(batch, max_draft_tokens)  # [B]
                 proposal = _clip(self.inner.propose(batch, budget, sampling), budget, width=self.static.k)
+                if proposal.draft_keys is not None and self.planned_width is not None:
+                    self.last_draft_keys = proposal.draft_keys  # the schedule reads them after the step
             self.last_num_draft_tokens = proposal.num_draft_tokens
             return proposal
         budget = self.budgets(batch, max_draft_tokens)  # [B]
@@ -157,7 +160,8 @@ class Top1Proposer(Proposer):
         num_speculating = int(speculating.sum().item()) if batch.batch_size else 0
         if num_speculating == 0:
             proposal = Proposal.empty(batch.batch_size, batch.device)
-        elif self.inner.stateless and num_speculating < batch.batch_size:
+        elif self.inner.stateless and self.static is None and num_speculating < batch.batch_size:
+            # A sub-batch of the speculating rows (dynamic caches; static ones keep one shape: zero budgets)
             rows = speculating.nonzero().squeeze(1)  # [B']
             proposal = self._merge(
                 batch.batch_size, rows, self.inner.propose(_sub_batch(batch, rows), budget[rows], sampling)

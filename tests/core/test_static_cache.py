@@ -109,8 +109,10 @@ def test_static_shapes_are_fixed_after_the_prefill(llama, llama_draft, monkeypat
     assert widths == {"target": {5}, "draft": {2, 1}}
 
 
-def test_static_path_syncs_the_host_once_per_step(llama, llama_draft, monkeypatch):
-    """After step 0, a greedy draft-model step reads the device from the host once (which rows are done).
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_static_path_syncs_the_host_once_per_step(llama, llama_draft, monkeypatch, method):
+    """After step 0, a greedy draft-model step, or a prompt-lookup step with the constant schedule (the device
+    matcher), reads the device from the host once (which rows are done).
 
     Every host read of a tensor is counted (`item`, `tolist`, `bool`, `int`, `cpu`, `numpy`), except inside the
     CPU reference sampler, which only runs where there is no GPU (on CUDA the Triton kernels run, and read nothing).
@@ -140,10 +142,15 @@ def test_static_path_syncs_the_host_once_per_step(llama, llama_draft, monkeypatc
 
     monkeypatch.setattr(SpeculativeLoop, "step", step)
     inputs = make_prompts(4, seed=6)
-    spec = hf_specdec.SpecDecoder(draft_model=llama_draft, num_speculative_tokens=4)
+    if method == "draft":
+        spec = hf_specdec.SpecDecoder(draft_model=llama_draft, num_speculative_tokens=4)
+    else:
+        spec = hf_specdec.SpecDecoder(
+            method="ngram", num_speculative_tokens=4, num_speculative_tokens_schedule="constant"
+        )
     spec_generate(llama, inputs, spec, max_new_tokens=20, eos_token_id=None, **STATIC)
     monkeypatch.undo()
-    assert len(per_step) > 3
+    assert len(per_step) > 3 and spec.last_stats.num_draft_tokens > 0
     assert [reads for reads in per_step[1:] if len(reads) != 1] == []
 
 
@@ -206,6 +213,29 @@ def test_compiled_path_on_cuda_is_exact_and_compiles_once(method):
     assert torch.equal(again, expected)
     assert compat.num_compiled_graphs() == graphs
     assert spec.last_stats.compile_time_s < (0.5 if method == "draft" else 1e-9)  # only the step's capture
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("batch_size", [1, 3, 8])
+def test_prompt_lookup_steps_are_captured_on_cuda_with_the_constant_schedule(batch_size, monkeypatch):
+    """Greedy prompt lookup with the constant schedule searches on the device (`ngram_device`), so its static steps
+    are captured whole and replayed; the tokens equal plain static `generate`, and the same with capture off."""
+    from hf_specdec.generation import CAPTURE_ENV
+
+    torch._dynamo.config.cache_size_limit = 64
+    target = make_model("llama", seed=0).cuda()
+    inputs = {name: t.cuda() for name, t in make_prompts(batch_size, seed=9, min_len=4, max_len=24).items()}
+    gen = dict(max_new_tokens=48, do_sample=False, eos_token_id=None, cache_implementation="static")
+    expected = target.generate(**inputs, **gen)
+    for capture in ("1", "0"):
+        monkeypatch.setenv(CAPTURE_ENV, capture)
+        for k in (1, 4):
+            spec = hf_specdec.SpecDecoder(
+                method="ngram", num_speculative_tokens=k, num_speculative_tokens_schedule="constant"
+            )
+            assert torch.equal(spec_generate(target, inputs, spec, **gen), expected), f"capture={capture} k={k}"
+            assert (spec.last_stats.num_graph_replays > 0) == (capture == "1")
+            assert spec.last_stats.num_draft_tokens > 0
 
 
 @pytest.mark.requires_cuda

@@ -53,3 +53,20 @@ def test_replaced_state_tensors_are_copied_home_and_shared_ones_refuse():
     batch.lengths = batch.lengths + 1
     with pytest.raises(UncapturableStep, match="shares its tensor"):
         graph._copy_back(before)
+
+
+def test_the_step_graph_own_records_are_not_step_state():
+    """A second key's capture must not see the homes of the first key's rebinds as state shared with a StepGraph
+    (found on an H100: the plain step of the adaptive schedule was refused after the drafting step was captured)."""
+    batch = RaggedBatch.from_prompts(torch.tensor([[5, 6, 7]]), None, 8)
+    stats = SpecDecodeStats()
+    stats.batch = batch
+    graph = StepGraph(stats, lambda: None, "a test step")
+    stats.graph = graph  # the loop holds its StepGraph, as SpeculativeLoop.step_graph does
+    before = [(batch, name, value) for name, value in vars(batch).items() if isinstance(value, torch.Tensor)]
+    batch.lengths = batch.lengths + 1
+    graph.rebinds += graph._copy_back(before)  # the first capture's homes
+    owners = state_owners(stats)
+    assert graph not in owners and batch in owners
+    tensors = [value for owner in owners for value in vars(owner).values() if isinstance(value, torch.Tensor)]
+    assert len({id(t) for t in tensors}) == len(tensors)  # no tensor seen twice: the next capture is not refused

@@ -1,15 +1,19 @@
-"""Tests of `NgramProposer` on hand-built ragged batches.
+"""Tests of `NgramProposer` on hand-built ragged batches, and of its static-cache path end to end.
 
 Checks the drafts per row (left padding and the scratch space past each row's length are ignored), the
 per-row draft budget `max_draft_tokens`, the width trimming of `draft_token_ids` to the largest count, the
-no-match and empty-batch cases, and argument validation.
+no-match and empty-batch cases, and argument validation. On static caches the proposer searches on the device
+(fixed width k, capturable): the same drafts, and greedy `generate` with the constant schedule equals plain
+decoding through planned steps (the ones a GPU captures as CUDA graphs).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from conftest import make_model, make_prompts, spec_generate
 
+import hf_specdec
 from hf_specdec.batch import RaggedBatch
 from hf_specdec.proposers.base import Proposal, Proposer
 from hf_specdec.proposers.ngram import NgramProposer
@@ -122,3 +126,52 @@ def test_stateless_hooks_are_no_ops():
 def test_invalid_arguments(args, message):
     with pytest.raises(ValueError, match=message):
         NgramProposer(*args)
+
+
+def _static_plan(k: int):
+    from hf_specdec.decoding import StaticPlan
+
+    return StaticPlan(k=k, max_columns=64, compiled_call=lambda model: None)
+
+
+def test_static_path_searches_on_the_device_at_width_k():
+    batch = _batch([[1, 2, 3, 4, 1, 2], [9, 0, 8, 6, 0], [4, 5, 6]])
+    budgets = torch.tensor([3, 4, 4])
+    proposer = NgramProposer(4, prompt_lookup_min=1, prompt_lookup_max=3)
+    assert proposer.capturable is False  # dynamic caches: the numba search on a host copy
+    dynamic = proposer.propose(batch, budgets, sampling=None)
+    proposer.use_static(_static_plan(4))
+    assert proposer.capturable is True
+    static = proposer.propose(batch, budgets, sampling=None)
+    assert static.draft_token_ids.shape == (3, 4)  # always k wide, -1 padded
+    assert static.draft_token_ids.tolist() == [[3, 4, 1, -1], [8, 6, 0, -1], [-1] * 4]
+    assert static.num_draft_tokens.tolist() == dynamic.num_draft_tokens.tolist() == [3, 3, 0]
+    assert static.draft_keys.tolist() == dynamic.draft_keys.tolist()
+    assert static.draft_token_ids[:, : dynamic.draft_token_ids.shape[1]].tolist() == dynamic.draft_token_ids.tolist()
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("batch_size", [1, 3, 8])
+def test_static_constant_schedule_matches_plain_generate_through_planned_steps(batch_size, monkeypatch):
+    """Greedy prompt lookup on a static cache with the constant schedule: every step after the prefill is planned
+    (`plan_step` names it, so a GPU replays it as one CUDA graph; here it runs the same device step uncaptured), and
+    the output equals plain `generate` on left-padded prompts of different lengths, for k = 1 and 4."""
+    from hf_specdec.proposers.top1 import Top1Proposer
+
+    target = make_model("llama", seed=0)
+    inputs = make_prompts(batch_size, seed=10 + batch_size, min_len=3, max_len=20)
+    expected = target.generate(**inputs, max_new_tokens=24, do_sample=False, eos_token_id=None)
+    keys: list = []
+    plan_step = Top1Proposer.plan_step
+    monkeypatch.setattr(Top1Proposer, "plan_step", lambda self, batch: keys.append(plan_step(self, batch)) or keys[-1])
+    for k in (1, 4):
+        keys.clear()
+        spec = hf_specdec.SpecDecoder(
+            method="ngram", num_speculative_tokens=k, num_speculative_tokens_schedule="constant"
+        )
+        out = spec_generate(
+            target, inputs, spec, max_new_tokens=24, do_sample=False, eos_token_id=None, cache_implementation="static"
+        )
+        assert torch.equal(out, expected), f"B={batch_size} k={k}"
+        assert keys and all(key == ("draft", ()) for key in keys)
+        assert spec.last_stats.num_draft_tokens > 0
