@@ -11,13 +11,17 @@ sliding-window layers cut to their window. That content is written into the call
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import DynamicCache, GenerationConfig, PreTrainedModel
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from hf_specdec.cache import CacheView
 from hf_specdec.compat import DUMMY_LAYER
+
+if TYPE_CHECKING:
+    from hf_specdec.config import SpecDecoder
 
 
 def check_continuation_cache(cache: object, input_ids: torch.Tensor) -> int:
@@ -181,3 +185,32 @@ def _filled_like(cache: DynamicCache, layer_idx: int, keys: torch.Tensor, values
     )
     layer.update(keys, values)  # a sliding layer keeps its last window - 1 columns, like plain decoding's
     return layer
+
+
+def build_handoff(
+    model: PreTrainedModel, spec: SpecDecoder, input_ids: torch.Tensor, config: GenerationConfig, cache: Any
+) -> CacheHandoff | None:
+    """The cache handoff of this call: adopt a filled `past_key_values`, and fill the caller's cache (or the one a
+    `return_dict_in_generate` output carries) like plain decoding; None when nobody will see the cache."""
+    if model.config.is_encoder_decoder:
+        if cache is not None and cache.get_seq_length() > 0:
+            raise NotImplementedError(
+                "Continuing a filled past_key_values is supported for decoder-only targets only: pass the whole "
+                f"decoder prompt to {type(model).__name__} without past_key_values."
+            )
+        return None  # the returned output carries no cache (the EncoderDecoderCache is not handed back)
+    if cache is None:
+        if not config.return_dict_in_generate:
+            return None
+        cache = DynamicCache(config=model.config.get_text_config(decoder=True))
+    past = check_continuation_cache(cache, input_ids)
+    if past and spec.method in ("mtp", "gemma4_assistant", "dflash", "eagle3"):
+        raise NotImplementedError(
+            f"method={spec.method!r} cannot continue a filled past_key_values (it drafts from the target's states "
+            "of the forward that filled it, which hf_specdec did not see): pass the full conversation without "
+            "past_key_values, or use a draft model or prompt lookup."
+        )
+    # generate creates a cache of its own when the caller passed none; fill it only when the output returns it.
+    if not past and not config.return_dict_in_generate and not getattr(cache, "_is_user_defined", True):
+        return None
+    return CacheHandoff(cache, past)

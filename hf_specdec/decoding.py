@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
@@ -26,28 +26,9 @@ from hf_specdec.proposers.draft_model import draft_position_limit
 from hf_specdec.sampling import random as row_random
 from hf_specdec.sampling.processors import StepSampling
 from hf_specdec.sampling.rejection import rejection_sample
-from hf_specdec.static_cache import StaticCacheView
+from hf_specdec.static_cache import StaticCacheView, StaticPlan
 from hf_specdec.step_graph import StepGraph
 from hf_specdec.stopping import StopRules
-
-
-@dataclass
-class StaticPlan:
-    """How a call runs on static caches: their column count and the compiled forward of each model (or None)."""
-
-    k: int  # drafts per step: every verify after the prefill has width 1 + k (or 1 when nobody drafts)
-    max_columns: int  # static cache length: max_length + k + 1 + room for holes between compactions
-    compiled_call: Callable[[PreTrainedModel], Callable | None]  # model -> its compiled __call__, or None (eager)
-    compile_time_s: float = 0.0  # seconds spent in forwards that compiled or captured a new graph
-    num_compactions: int = 0
-    views: list = field(default_factory=list)  # the call's StaticCacheViews (target, draft), in creation order
-    #: the forwards may run inside one captured CUDA graph per step (a GPU, and compiling allowed)
-    can_capture: bool = False
-    #: the loop captures its steps (`hf_specdec.step_graph`): forwards are compiled without graphs of their own
-    capture_steps: bool = False
-    #: the target or the draft is a hybrid: steps are never planned or captured (the recurrent rollback's hooks and
-    #: data-dependent re-runs cannot live in a CUDA graph), and hybrid forwards are never compiled
-    hybrid: bool = False
 
 
 def capture_blocker(

@@ -12,7 +12,7 @@ for a position that is later thrown away: no state needs a snapshot or a rollbac
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from transformers.generation import stopping_criteria as sc
@@ -24,8 +24,9 @@ from hf_specdec.sampling.processors import StepSampling
 from hf_specdec.sampling.rejection import rejection_sample
 
 if TYPE_CHECKING:
-    from hf_specdec.decoding import SpeculativeLoop
+    from hf_specdec.batch import RaggedBatch
     from hf_specdec.proposers.base import Proposal
+    from hf_specdec.stopping import StopRules
 
 #: Criteria that `StopRules` may evaluate vectorised on any (row, prefix) pairs: stateless, per row, per prefix.
 PURE_CRITERIA = frozenset(
@@ -40,6 +41,17 @@ def needs_exact_path(sampling: StepSampling, criteria: StoppingCriteriaList) -> 
     return sampling.exact or any(type(c) not in PURE_CRITERIA for c in criteria)
 
 
+class LoopRows(Protocol):
+    """What the exact path reads of the loop (`SpeculativeLoop` has it): the live rows, the rows that left, and the
+    call's sampling state and stop rules. A protocol, so that this module does not import the loop that uses it."""
+
+    batch: RaggedBatch  # the live rows
+    sequences: torch.Tensor  # [B_total, max_length] rows as they left the batch
+    final_lengths: torch.Tensor  # [B_total] length of each row when it left
+    sampling: StepSampling
+    stop_rules: StopRules
+
+
 class ExactPath:
     """Scores, accepts and stops one verified block position by position, on the caller's full batch."""
 
@@ -50,7 +62,7 @@ class ExactPath:
         self.criteria = criteria
         self.pad_token_id = pad_token_id if pad_token_id is not None else 0
 
-    def full_view(self, loop: SpeculativeLoop, width: int) -> torch.Tensor:  # [B_total, L + width]
+    def full_view(self, loop: LoopRows, width: int) -> torch.Tensor:  # [B_total, L + width]
         """The caller's batch as plain `generate` holds it, with `width` scratch columns for the block's tokens.
 
         Live rows (all of length L in lockstep) come from the batch, finished rows from the loop's final rows,
@@ -72,7 +84,7 @@ class ExactPath:
 
     def accept(
         self,
-        loop: SpeculativeLoop,
+        loop: LoopRows,
         proposal: Proposal,
         target_logits: torch.Tensor,  # [B, w, V] raw logits of [last token, drafts]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # output ids [B, w], scores [B, w, V], stop hits [B, w]

@@ -14,8 +14,9 @@ from typing import Any
 
 from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 
+from hf_specdec.call_checks import check_speculation_type
 from hf_specdec.config import MAX_SPECULATIVE_TOKENS, SpecDecoder
-from hf_specdec.generation import check_speculation_type, generate
+from hf_specdec.generation import generate
 from hf_specdec.proposers.eagle3_head import is_eagle3_head
 from hf_specdec.proposers.gemma4_assistant import is_gemma4_assistant
 

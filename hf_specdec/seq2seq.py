@@ -189,3 +189,10 @@ class Seq2SeqCacheView(CacheView):
     def select_rows(self, keep: torch.Tensor) -> None:
         super().select_rows(keep)
         self.encoder = self.encoder.select_rows(keep)
+
+
+def view_factory(encoder: EncoderState | None):  # noqa: ANN201
+    """The CacheView factory of an encoder-decoder call (None without an encoder: the loop's plain CacheView)."""
+    if encoder is None:
+        return None
+    return lambda model, batch: Seq2SeqCacheView(model, batch.batch_size, batch.pad_lengths, encoder)

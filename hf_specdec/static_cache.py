@@ -9,13 +9,15 @@ row's real columns are gathered to the left in place (compaction). Sliding-windo
 layers: the window is applied by the mask, in tokens (HF's static sliding layer is a ring buffer in columns,
 which a column map with holes cannot use). A hybrid's recurrent layers stay transformers' own `linear_attention`
 layers (no columns: compaction leaves them alone); `RecurrentRollback` rolls them back as on the dynamic path, and
-their forwards run eagerly (never compiled or captured).
+their forwards run eagerly (never compiled or captured). `StaticPlan` is the call's static-cache description that
+the views, the proposers and the loop share (`generation.static_plan` builds it).
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedModel, StaticCache
@@ -25,8 +27,24 @@ from hf_specdec import compat
 from hf_specdec.cache import CacheView
 from hf_specdec.recurrent import RecurrentRollback
 
-if TYPE_CHECKING:
-    from hf_specdec.decoding import StaticPlan
+
+@dataclass
+class StaticPlan:
+    """How a call runs on static caches: their column count and the compiled forward of each model (or None)."""
+
+    k: int  # drafts per step: every verify after the prefill has width 1 + k (or 1 when nobody drafts)
+    max_columns: int  # static cache length: max_length + k + 1 + room for holes between compactions
+    compiled_call: Callable[[PreTrainedModel], Callable | None]  # model -> its compiled __call__, or None (eager)
+    compile_time_s: float = 0.0  # seconds spent in forwards that compiled or captured a new graph
+    num_compactions: int = 0
+    views: list = field(default_factory=list)  # the call's StaticCacheViews (target, draft), in creation order
+    #: the forwards may run inside one captured CUDA graph per step (a GPU, and compiling allowed)
+    can_capture: bool = False
+    #: the loop captures its steps (`hf_specdec.step_graph`): forwards are compiled without graphs of their own
+    capture_steps: bool = False
+    #: the target or the draft is a hybrid: steps are never planned or captured (the recurrent rollback's hooks and
+    #: data-dependent re-runs cannot live in a CUDA graph), and hybrid forwards are never compiled
+    hybrid: bool = False
 
 
 def build_static_cache(model: PreTrainedModel, max_cache_len: int) -> StaticCache:

@@ -18,8 +18,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from hf_specdec.batch import RaggedBatch
-    from hf_specdec.decoding import StaticPlan
     from hf_specdec.sampling.processors import StepSampling
+    from hf_specdec.static_cache import StaticPlan
 
 
 @dataclass

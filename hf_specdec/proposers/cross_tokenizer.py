@@ -13,16 +13,20 @@ target's law exactly. Tokenizer work runs on the host, O(row length) per row and
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import PreTrainedModel
 
 from hf_specdec.batch import RaggedBatch
 from hf_specdec.cache import CacheView
+from hf_specdec.proposers import ProposerContext, register
 from hf_specdec.proposers.base import Proposal, Proposer
 from hf_specdec.proposers.draft_model import draft_position_limit, output_vocab_size, sampling_exponentials
 from hf_specdec.sampling.processors import StepSampling
+
+if TYPE_CHECKING:
+    from hf_specdec.config import SpecDecoder
 
 
 def check_tokenizers(target_tokenizer: Any, draft_tokenizer: Any) -> None:
@@ -213,3 +217,16 @@ class CrossTokenizerProposer(Proposer):
             self.view.select_rows(keep)
         self.draft_ids = self.draft_ids[keep]
         self.draft_lengths = self.draft_lengths[keep]
+
+
+@register("draft", when=lambda spec: spec.draft_tokenizer is not None)
+def from_spec(spec: SpecDecoder, target: PreTrainedModel, context: ProposerContext) -> CrossTokenizerProposer:
+    """`method="draft"` with a `draft_tokenizer`: decoder-only targets only."""
+    if context.encoder is not None:
+        raise NotImplementedError(
+            "A draft with another tokenizer is not supported for encoder-decoder targets: use a draft sharing "
+            "the target's tokenizer, or prompt_lookup_num_tokens."
+        )
+    return CrossTokenizerProposer(
+        spec.draft_model, context.tokenizer, spec.draft_tokenizer, spec.max_speculative_tokens
+    )

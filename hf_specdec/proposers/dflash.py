@@ -12,6 +12,8 @@ the whole context and to each other, and the target's head turns the placeholder
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from transformers import PreTrainedModel
 
@@ -20,10 +22,14 @@ from hf_specdec.batch import RaggedBatch
 from hf_specdec.cache import CacheView
 from hf_specdec.compat import crop_cache
 from hf_specdec.model_support import check_attention_implementation
+from hf_specdec.proposers import ProposerContext, register
 from hf_specdec.proposers.base import Proposal, Proposer
 from hf_specdec.proposers.mtp import _draw
 from hf_specdec.proposers.target_states import VerifyCapture
 from hf_specdec.sampling.processors import StepSampling
+
+if TYPE_CHECKING:
+    from hf_specdec.config import SpecDecoder
 
 __all__ = ["DFlashProposer", "check_dflash_drafter"]
 
@@ -242,3 +248,10 @@ def _plain_embeddings(target: PreTrainedModel, token_ids: torch.Tensor) -> torch
         return table(token_ids)
     finally:
         table.embed_norm = norm
+
+
+@register("dflash")
+def from_spec(spec: SpecDecoder, target: PreTrainedModel, context: ProposerContext) -> DFlashProposer:
+    """`method="dflash"`: a DFlash block drafter fed the target's layer states (decoder-only targets)."""
+    context.require_decoder_only(spec.method, target)
+    return DFlashProposer(target, spec.draft_model, spec.max_speculative_tokens)

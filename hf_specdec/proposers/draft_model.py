@@ -19,12 +19,14 @@ from transformers import PreTrainedModel
 
 from hf_specdec.batch import RaggedBatch
 from hf_specdec.cache import CacheView
+from hf_specdec.proposers import ProposerContext, register
 from hf_specdec.proposers.base import Proposal, Proposer
 from hf_specdec.sampling import random as row_random
 from hf_specdec.sampling.processors import StepSampling
 from hf_specdec.static_cache import StaticCacheView
 
 if TYPE_CHECKING:
+    from hf_specdec.config import SpecDecoder
     from hf_specdec.schedules import ConfidenceThreshold
 
 
@@ -220,3 +222,24 @@ def draft_position_limit(draft_model: PreTrainedModel) -> int | None:
 def sampling_exponentials(sampling: StepSampling, position: int, vocab: int) -> torch.Tensor:  # [B, V]
     """The Exp(1) draws of the exponential race that samples draft position `position`."""
     return sampling.draw_exponentials(row_random.STREAM_DRAFT + position, vocab)
+
+
+def confidence_threshold(spec: SpecDecoder) -> ConfidenceThreshold | None:
+    """HF's `assistant_confidence_threshold` as the call's `ConfidenceThreshold` (None when off)."""
+    from hf_specdec.schedules import ConfidenceThreshold
+
+    threshold = spec.draft_confidence_threshold
+    return ConfidenceThreshold(threshold) if threshold else None
+
+
+@register("draft")
+def from_spec(spec: SpecDecoder, target: PreTrainedModel, context: ProposerContext) -> DraftModelProposer:
+    """`method="draft"`: a draft model sharing the target's tokenizer (encoder-decoder drafts cross-attend)."""
+    check_draft_model(target, spec.draft_model)
+    proposer = DraftModelProposer(spec.draft_model, spec.max_speculative_tokens, confidence_threshold(spec))
+    if context.encoder is not None:  # the draft cross-attends to the target's encoder output
+        from hf_specdec.seq2seq import check_seq2seq_draft, view_factory
+
+        check_seq2seq_draft(target, spec.draft_model, context.encoder.hidden.shape[-1])
+        proposer.view_factory = view_factory(context.encoder)
+    return proposer

@@ -11,16 +11,22 @@ distribution is mapped onto the target's vocabulary (tokens outside the draft vo
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from transformers import PreTrainedModel
 
 from hf_specdec.batch import RaggedBatch
 from hf_specdec.cache import CacheView
+from hf_specdec.proposers import ProposerContext, register
 from hf_specdec.proposers.base import Proposal, Proposer
 from hf_specdec.proposers.eagle3_head import Eagle3Head, is_eagle3_head
 from hf_specdec.proposers.mtp import _draw
 from hf_specdec.proposers.target_states import VerifyCapture
 from hf_specdec.sampling.processors import StepSampling
+
+if TYPE_CHECKING:
+    from hf_specdec.config import SpecDecoder
 
 __all__ = ["Eagle3ContextView", "Eagle3Proposer", "check_eagle3_target"]
 
@@ -209,3 +215,10 @@ def check_eagle3_target(target: PreTrainedModel, head: object) -> list[int]:
             "head.to(model.device), or pass device= to load_draft_head."
         )
     return ids
+
+
+@register("eagle3")
+def from_spec(spec: SpecDecoder, target: PreTrainedModel, context: ProposerContext) -> Eagle3Proposer:
+    """`SpecDecoder(draft_head=...)`: an EAGLE-3 head fed the verify's layer states (decoder-only targets)."""
+    context.require_decoder_only(spec.method, target)
+    return Eagle3Proposer(target, spec.draft_head, spec.max_speculative_tokens)

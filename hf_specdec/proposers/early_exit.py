@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -20,7 +21,11 @@ from transformers import DynamicCache, PreTrainedModel
 from hf_specdec import compat
 from hf_specdec.batch import RaggedBatch
 from hf_specdec.cache import CacheView
-from hf_specdec.proposers.draft_model import DraftModelProposer
+from hf_specdec.proposers import ProposerContext, register
+from hf_specdec.proposers.draft_model import DraftModelProposer, confidence_threshold
+
+if TYPE_CHECKING:
+    from hf_specdec.config import SpecDecoder
 
 
 def check_early_exit(model: PreTrainedModel, num_layers: int) -> None:
@@ -97,3 +102,9 @@ class EarlyExitProposer(DraftModelProposer):
 
     def new_view(self, batch: RaggedBatch) -> CacheView:
         return _EarlyExitView(self.draft_model, batch.batch_size, batch.pad_lengths, self.num_layers)
+
+
+@register("early_exit")
+def from_spec(spec: SpecDecoder, target: PreTrainedModel, context: ProposerContext) -> EarlyExitProposer:
+    """`method="early_exit"`: the target's first `early_exit_layers` layers draft."""
+    return EarlyExitProposer(target, spec.early_exit_layers, spec.max_speculative_tokens, confidence_threshold(spec))

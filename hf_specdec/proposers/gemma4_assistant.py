@@ -11,16 +11,22 @@ same position. The keys, values and hidden state come from the verify the loop r
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from transformers import PreTrainedModel
 
 from hf_specdec import compat
 from hf_specdec.batch import RaggedBatch
 from hf_specdec.model_support import check_attention_implementation
+from hf_specdec.proposers import ProposerContext, register
 from hf_specdec.proposers.base import Proposal, Proposer
 from hf_specdec.proposers.mtp import _draw
 from hf_specdec.proposers.target_states import VerifyCapture, allowed_keys
 from hf_specdec.sampling.processors import StepSampling
+
+if TYPE_CHECKING:
+    from hf_specdec.config import SpecDecoder
 
 __all__ = ["Gemma4AssistantProposer", "check_gemma4_assistant", "is_gemma4_assistant"]
 
@@ -205,3 +211,10 @@ class Gemma4AssistantProposer(Proposer):
         return torch.zeros(allowed.shape, dtype=self.assistant.dtype, device=allowed.device).masked_fill(
             ~allowed, blocked
         )
+
+
+@register("gemma4_assistant")
+def from_spec(spec: SpecDecoder, target: PreTrainedModel, context: ProposerContext) -> Gemma4AssistantProposer:
+    """`method="gemma4_assistant"`: a Gemma 4 assistant reading the target's keys and last hidden state (decoder-only targets)."""
+    context.require_decoder_only(spec.method, target)
+    return Gemma4AssistantProposer(target, spec.draft_model, spec.max_speculative_tokens)

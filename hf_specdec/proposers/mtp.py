@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import PreTrainedModel
@@ -21,9 +21,13 @@ from transformers import PreTrainedModel
 from hf_specdec import compat
 from hf_specdec.batch import RaggedBatch
 from hf_specdec.cache import CacheView
+from hf_specdec.proposers import ProposerContext, register
 from hf_specdec.proposers.base import Proposal, Proposer
 from hf_specdec.proposers.draft_model import sampling_exponentials
 from hf_specdec.sampling.processors import StepSampling
+
+if TYPE_CHECKING:
+    from hf_specdec.config import SpecDecoder
 
 __all__ = ["MTPProposer", "MtpLayerView", "check_mtp_target", "resolve_mtp_model"]
 
@@ -332,3 +336,9 @@ def _draw(
     probs = torch.softmax(scores, dim=-1)  # [B, V]
     race = sampling_exponentials(sampling, position, probs.shape[-1])  # [B, V]
     return (probs / race).argmax(dim=-1), probs
+
+
+@register("mtp")
+def from_spec(spec: SpecDecoder, target: PreTrainedModel, context: ProposerContext) -> MTPProposer:
+    """`method="mtp"`: the target's multi-token-prediction layers (its own, or `spec.mtp_model`)."""
+    return MTPProposer(target, resolve_mtp_model(target, spec.mtp_model), spec.max_speculative_tokens)

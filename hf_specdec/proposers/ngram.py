@@ -14,12 +14,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hf_specdec.proposers import ProposerContext, register
 from hf_specdec.proposers.base import Proposal, Proposer
 from hf_specdec.proposers.ngram_device import ngram_search_device
 from hf_specdec.proposers.ngram_search import ngram_search
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
     from hf_specdec.batch import RaggedBatch
+    from hf_specdec.config import SpecDecoder
     from hf_specdec.sampling.processors import StepSampling
 
 __all__ = ["NgramProposer"]
@@ -132,3 +136,9 @@ class NgramProposer(Proposer):
         num_draft_tokens = torch.from_numpy(counts).to(device)  # [B]
         draft_keys = torch.from_numpy(match_lengths).to(device)  # [B] the matched n: longer matches are surer
         return Proposal(draft_token_ids, num_draft_tokens, draft_probs=None, draft_keys=draft_keys)
+
+
+@register("ngram")
+def from_spec(spec: SpecDecoder, target: PreTrainedModel, context: ProposerContext) -> NgramProposer:
+    """`method="ngram"`: prompt lookup (no model)."""
+    return NgramProposer(spec.max_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)

@@ -22,9 +22,9 @@ from hf_specdec.proposers.base import Proposal, Proposer
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from hf_specdec.decoding import StaticPlan
     from hf_specdec.sampling.processors import StepSampling
     from hf_specdec.schedules import SpeculationSchedule
+    from hf_specdec.static_cache import StaticPlan
 
 __all__ = ["Top1Proposer", "length_budget"]
 
