@@ -62,9 +62,15 @@ def main() -> None:
             ratios.append(plain_s[-1] / spec_s[-1])
     hf_specdec.uninstall()
     result = {
-        "meta": {"machine": platform.processor() or platform.machine(), "torch": torch.__version__,
-                 "transformers": transformers.__version__, "threads": args.threads, "batch": args.batch,
-                 "exit_layers": args.exit_layers, "max_new_tokens": args.max_new_tokens},  # fmt: skip
+        "meta": {
+            "machine": platform.processor() or platform.machine(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "threads": args.threads,
+            "batch": args.batch,
+            "exit_layers": args.exit_layers,
+            "max_new_tokens": args.max_new_tokens,
+        },  # fmt: skip
         "plain_s": plain_s,
         "spec_s": spec_s,
         "first_spec_call_s": first_s,

@@ -162,6 +162,10 @@ class StepCosts:
     draft_cost: float = 0.0  # seconds per draft token, for proposers that draft only when asked to
     draft_prior: float = 0.0  # what `draft_cost` is taken to be before drafting was measured, and fades back to
     draft_measured: bool = False  # a drafting step was measured: `draft_cost` is no longer the prior alone
+    #: a step wider than 1 was measured since the last calibration: more widths are worth timing (a draft that is
+    #: never used, e.g. a useless one, pays calibration in its first call only)
+    drafted_since_calibration: bool = False
+    passes: int = 0  # calibration passes so far (the second corrects a first slowed by warm-up or a compile)
     smoothing: float = 0.1  # weight of a new sample
     min_samples: int = 2
     idle_decay: float = 0.99  # per plain step: a drafting cost not re-measured fades (speculation is re-tried)
@@ -176,6 +180,8 @@ class StepCosts:
             self.forward[w] = min(self.forward.get(w, seconds), seconds)
             self.timed[w] = self.timed.get(w, 0) + 1
         self.calibrated = True
+        self.drafted_since_calibration = False
+        self.passes += 1
 
     def complete(self, widths: Sequence[int]) -> bool:
         """Every width timed `max_passes` times: no more timing."""
@@ -213,6 +219,7 @@ class StepCosts:
         drafting = self.draft_cost * (width - 1) if drafts_separately else 0.0
         if clip:
             seconds = min(max(seconds, 0.5 * scaled), 2.0 * scaled + 2.0 * drafting)
+        self.drafted_since_calibration |= width > 1
         if width == 1:
             steps.ratio += self.smoothing * (seconds / self.forward[1] - steps.ratio)
             self.draft_cost = self.draft_prior + (self.draft_cost - self.draft_prior) * self.idle_decay
@@ -336,7 +343,8 @@ class AdaptiveSchedule(SpeculationSchedule):
         costs = self.memory.costs.get((self.costs_name, batch_size))
         widths = self.widths
         known = costs is not None and costs.calibrated and costs.covers(widths)
-        if self.time_verify is not None and not (known and costs.complete(widths)):
+        settled = known and (costs.complete(widths) or (costs.passes >= 2 and not costs.drafted_since_calibration))
+        if self.time_verify is not None and not settled:
             # Static caches: the eager forwards timed here only seed the costs until captured steps are measured,
             # so one pass (the model's first call) is enough.
             costs = costs if costs is not None and costs.calibrated else StepCosts(max_passes=1 if self.static else 3)

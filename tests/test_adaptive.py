@@ -100,9 +100,11 @@ def test_step_costs_time_three_widths_per_call_and_interpolate_the_rest():
     assert len(timed) == 15
 
 
-def test_adaptive_schedule_times_at_most_three_forwards_per_call():
-    """A first call on a model pays three timing forwards, as does each later call until every width is timed
-    three times; then none."""
+@pytest.mark.parametrize("drafting", [True, False])
+def test_adaptive_schedule_times_at_most_three_forwards_per_call(drafting):
+    """A first call on a model pays three timing forwards, and so does the second (a first pass may be slowed by
+    warm-up); later calls do only after a call that drafted, until every width is timed three times; then none.
+    After calls that never drafted (a useless draft switched off), nothing more is timed."""
 
     class Model:  # any weak-referenceable object stands for the target
         pass
@@ -111,8 +113,9 @@ def test_adaptive_schedule_times_at_most_three_forwards_per_call():
     for call in range(8):
         schedule = AdaptiveSchedule(2, model, "ngram:1-4", propose_first=True)
         schedule.calibrate(lambda width, call=call: timed.append(call) or 1.0)
-        schedule.costs(batch_size=1)
-    assert timed == [0, 0, 0, 1, 1, 1, 2, 2, 2]  # 3 widths x 3 timings
+        costs = schedule.costs(batch_size=1)
+        costs.record(2 if drafting else 1, 64, 1.0, drafts_separately=False)  # the call's steps
+    assert timed == ([0, 0, 0, 1, 1, 1, 2, 2, 2] if drafting else [0, 0, 0, 1, 1, 1])  # 3 widths x 3 or 2 timings
 
 
 def test_step_costs_measure_widths_and_scale_the_others():

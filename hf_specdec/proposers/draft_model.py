@@ -102,6 +102,10 @@ class DraftModelProposer(Proposer):
 
     def prefill(self, batch: RaggedBatch, sampling: StepSampling) -> None:
         self.view = self.new_view(batch)
+        if self.static is None:
+            # Dynamic caches: the first step that drafts catches the draft up on everything it has not seen (the
+            # catch-up takes any backlog), so a draft the schedule never uses (a useless one) never prefills.
+            return
         num_new = batch.lengths - 1  # [B]
         if self.max_positions is not None:
             # A row that is already at the draft's position limit can never draft: the draft never sees it.
