@@ -23,9 +23,9 @@ from hf_specdec.cache import CacheView
 from hf_specdec.compat import crop_cache
 from hf_specdec.model_support import check_attention_implementation
 from hf_specdec.proposers import ProposerContext, register
-from hf_specdec.proposers.base import Proposal, Proposer
+from hf_specdec.proposers.base import Proposal
 from hf_specdec.proposers.mtp import _draw
-from hf_specdec.proposers.target_states import VerifyCapture
+from hf_specdec.proposers.target_states import TargetStateDrafter, VerifyCapture
 from hf_specdec.sampling.processors import StepSampling
 
 if TYPE_CHECKING:
@@ -100,7 +100,7 @@ class DFlashContextView(CacheView):
         return hidden
 
 
-class DFlashProposer(Proposer):
+class DFlashProposer(TargetStateDrafter):
     """Drafts up to min(k, block_size - 1) tokens per row in one drafter forward over a block of placeholders.
 
     Args:
@@ -124,17 +124,6 @@ class DFlashProposer(Proposer):
         self.context_lengths: torch.Tensor | None = None  # [B] buffer indices [0, n) have entered the context
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # context not yet fed: [B, c, nH], [B, c]
         self.seen_forwards = 0
-
-    @property
-    def returns_probs(self) -> bool:  # type: ignore[override]
-        return True
-
-    def attach(self, target: PreTrainedModel) -> None:
-        self.capture.attach()
-
-    def detach(self) -> None:
-        self.capture.detach()
-        self.capture.layer_outputs, self.capture.last_hidden = {}, None
 
     def prefill(self, batch: RaggedBatch, sampling: StepSampling) -> None:
         self.view = DFlashContextView(self.drafter, batch.batch_size, batch.pad_lengths)

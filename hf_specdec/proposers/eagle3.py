@@ -19,10 +19,10 @@ from transformers import PreTrainedModel
 from hf_specdec.batch import RaggedBatch
 from hf_specdec.cache import CacheView
 from hf_specdec.proposers import ProposerContext, register
-from hf_specdec.proposers.base import Proposal, Proposer
+from hf_specdec.proposers.base import Proposal
 from hf_specdec.proposers.eagle3_head import Eagle3Head, is_eagle3_head
 from hf_specdec.proposers.mtp import _draw
-from hf_specdec.proposers.target_states import VerifyCapture
+from hf_specdec.proposers.target_states import TargetStateDrafter, VerifyCapture
 from hf_specdec.sampling.processors import StepSampling
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ class Eagle3ContextView(CacheView):
         return out
 
 
-class Eagle3Proposer(Proposer):
+class Eagle3Proposer(TargetStateDrafter):
     """Drafts up to k tokens per row with an EAGLE-3 head, one head forward per draft position.
 
     Args:
@@ -77,17 +77,6 @@ class Eagle3Proposer(Proposer):
         self.verify_start: torch.Tensor | None = None  # [B] buffer index of the latest verify's first slot
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # context not yet fed: [B, c, H], [B, c]
         self.seen_forwards = 0
-
-    @property
-    def returns_probs(self) -> bool:  # type: ignore[override]
-        return True
-
-    def attach(self, target: PreTrainedModel) -> None:
-        self.capture.attach()
-
-    def detach(self) -> None:
-        self.capture.detach()
-        self.capture.layer_outputs = {}
 
     def prefill(self, batch: RaggedBatch, sampling: StepSampling) -> None:
         self.view = Eagle3ContextView(self.head, batch.batch_size, batch.pad_lengths)

@@ -20,9 +20,9 @@ from hf_specdec import compat
 from hf_specdec.batch import RaggedBatch
 from hf_specdec.model_support import check_attention_implementation
 from hf_specdec.proposers import ProposerContext, register
-from hf_specdec.proposers.base import Proposal, Proposer
+from hf_specdec.proposers.base import Proposal
 from hf_specdec.proposers.mtp import _draw
-from hf_specdec.proposers.target_states import VerifyCapture, allowed_keys
+from hf_specdec.proposers.target_states import TargetStateDrafter, VerifyCapture, allowed_keys
 from hf_specdec.sampling.processors import StepSampling
 
 if TYPE_CHECKING:
@@ -102,7 +102,7 @@ def check_gemma4_assistant(target: PreTrainedModel, assistant: PreTrainedModel) 
     return sources
 
 
-class Gemma4AssistantProposer(Proposer):
+class Gemma4AssistantProposer(TargetStateDrafter):
     """Drafts up to k tokens per row with a Gemma 4 assistant reading the target's shared keys and values.
 
     Args:
@@ -125,17 +125,6 @@ class Gemma4AssistantProposer(Proposer):
         self.hidden: torch.Tensor | None = None  # [B, H]
         self.shared_kv: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # type -> keys, values [B, h, W, D]
         self.allowed: dict[str, torch.Tensor] = {}  # type -> [B, W] bool
-
-    @property
-    def returns_probs(self) -> bool:  # type: ignore[override]
-        return True
-
-    def attach(self, target: PreTrainedModel) -> None:
-        self.capture.attach()
-
-    def detach(self) -> None:
-        self.capture.detach()
-        self.capture.cache = self.capture.last_hidden = self.capture.attention_mask = None
 
     def prefill(self, batch: RaggedBatch, sampling: StepSampling) -> None:
         self.hidden = None

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from hf_specdec.proposers.ngram_search import check_sizes
+
 __all__ = ["ngram_search_device"]
 
 
@@ -109,14 +111,7 @@ def _check(
     validate: bool,
 ) -> None:
     """Argument checks that read shapes and dtypes only (no sync), plus the value checks of `validate=True`."""
-    if int(min_n) < 1:
-        raise ValueError(f"`min_n` must be >= 1, got {min_n}; pass min_n=1 to allow single-token matches.")
-    if int(max_n) < int(min_n):
-        raise ValueError(
-            f"`max_n` must be >= `min_n`, got max_n={max_n} and min_n={min_n}; raise max_n or lower min_n."
-        )
-    if int(k) < 0:
-        raise ValueError(f"`k` (the number of draft slots) must be >= 0, got {k}.")
+    check_sizes(min_n, max_n, k)
     if token_ids.dim() != 2:
         raise ValueError(
             f"`token_ids` must be 2-D [batch, length], got shape {tuple(token_ids.shape)}; "

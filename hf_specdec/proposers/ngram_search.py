@@ -186,6 +186,18 @@ def _get_kernels() -> tuple[Callable[..., None], Callable[..., None]]:
     return _kernels
 
 
+def check_sizes(min_n: int, max_n: int, k: int) -> None:
+    """The n-gram sizes and the draft count every matcher takes (this numba one and `ngram_device`'s)."""
+    if int(min_n) < 1:
+        raise ValueError(f"`min_n` must be >= 1, got {min_n}; pass min_n=1 to allow single-token matches.")
+    if int(max_n) < int(min_n):
+        raise ValueError(
+            f"`max_n` must be >= `min_n`, got max_n={max_n} and min_n={min_n}; raise max_n or lower min_n."
+        )
+    if int(k) < 0:
+        raise ValueError(f"`k` (the number of draft slots) must be >= 0, got {k}.")
+
+
 def _validate(
     token_ids: np.ndarray,
     starts: np.ndarray,
@@ -196,14 +208,7 @@ def _validate(
     k: int,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Check arguments and return contiguous int64 copies/views of the arrays."""
-    if int(min_n) < 1:
-        raise ValueError(f"`min_n` must be >= 1, got {min_n}; pass min_n=1 to allow single-token matches.")
-    if int(max_n) < int(min_n):
-        raise ValueError(
-            f"`max_n` must be >= `min_n`, got max_n={max_n} and min_n={min_n}; raise max_n or lower min_n."
-        )
-    if int(k) < 0:
-        raise ValueError(f"`k` (the number of draft slots) must be >= 0, got {k}.")
+    check_sizes(min_n, max_n, k)
     token_ids = np.ascontiguousarray(token_ids, dtype=np.int64)
     if token_ids.ndim != 2:
         raise ValueError(

@@ -16,6 +16,7 @@ import torch
 from transformers import PreTrainedModel
 
 from hf_specdec import compat
+from hf_specdec.proposers.base import Proposer
 
 
 class VerifyCapture:
@@ -61,9 +62,12 @@ class VerifyCapture:
             self._handles.append(self.decoder.layers[layer_id].register_forward_hook(hook))
 
     def detach(self) -> None:
+        """Remove the hooks and drop what they kept (the call's tensors)."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self.attention_mask = self.cache = self.last_hidden = None
+        self.layer_outputs, self.kv = {}, {}
 
     def _mine(self) -> bool:
         """Whether the running forward is this call's (not another thread's call on the same model)."""
@@ -108,3 +112,18 @@ def allowed_keys(
     rows = torch.arange(mask.shape[0], device=mask.device)
     picked = mask[rows, 0, query_slot.to(mask.device)]  # [B, W]
     return picked if picked.dtype == torch.bool else picked == 0
+
+
+class TargetStateDrafter(Proposer):
+    """A proposer fed the target's states from the loop's own forwards (`self.capture`, a `VerifyCapture`): the
+    hooks go on when the call starts and come off, dropping what they kept, when it ends; drafts come with their
+    probabilities (Gemma 4 assistants, DFlash, EAGLE-3)."""
+
+    returns_probs = True
+    capture: VerifyCapture
+
+    def attach(self, target: PreTrainedModel) -> None:
+        self.capture.attach()
+
+    def detach(self) -> None:
+        self.capture.detach()
