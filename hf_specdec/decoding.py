@@ -171,12 +171,11 @@ class SpeculativeLoop:
 
         inner = getattr(self.proposer, "inner", self.proposer)
         models = tuple(model_serial(m) for m in vars(inner).values() if isinstance(m, torch.nn.Module))
-        stops = self.stop_rules
-        eos = tuple(stops.eos_token_ids.tolist()) if stops.eos_token_ids is not None else None
+        stops = self.stop_rules  # its EOS ids are state (copied in on adoption); whether it has any is a setting
         return (
             model_serial(self.model), self.batch.batch_size, self.batch.capacity, self.max_length, self.k,
             self.static.max_columns, str(self.batch.device), self.sampling.do_sample,
-            tuple(settings(p) for p in self.sampling.pure), eos, tuple(stops.max_lengths), stops.pad_token_id,
+            tuple(settings(p) for p in self.sampling.pure), settings(stops), tuple(stops.max_lengths),
             settings(self.proposer), settings(inner), models, type(self.proposer.schedule).__name__,
         )  # fmt: skip
 

@@ -141,7 +141,9 @@ class Eagle3Proposer(TargetStateDrafter):
         states = torch.cat([capture.layer_outputs[i - 1] for i in self.layer_ids], dim=-1)  # [B, w, 3H]
         start = self.context_end  # [B]
         num_new = (batch.lengths - start).clamp(min=0)  # [B] tokens start .. lengths - 1
-        width = int(num_new.max().item()) if batch.batch_size else 0
+        # Every new token's state is among the verify's slots: that width bounds them (no host read); a row with
+        # fewer new tokens queues masked slots (index -1).
+        width = states.shape[1] if batch.batch_size else 0
         if width > 0:
             slots = torch.arange(width, device=batch.device)  # [c]
             index = start[:, None] + slots  # [B, c] buffer index of each new column's token
