@@ -76,6 +76,8 @@ class AcceptanceStats:
     `prior`, optimistic, so that every kind of draft is tried before it is judged.
     """
 
+    not_step_state = True  # shared by every call on a model (`step_graph.state_owners` skips it)
+
     def __init__(
         self,
         max_k: int,
@@ -133,6 +135,8 @@ def context_bucket(context_length: float) -> int:
 class MeasuredSteps:
     """The loop's own steps at one context bucket: average seconds per verify width, and plain step / forward."""
 
+    not_step_state = True  # shared by every call on a model (`step_graph.state_owners` skips it)
+
     seconds: dict[int, float] = field(default_factory=dict)  # width -> average seconds of a whole step
     samples: dict[int, int] = field(default_factory=dict)  # width -> steps measured
     ratio: float = 1.0  # average of a plain (width 1) step over the calibrated 1-token forward
@@ -152,6 +156,8 @@ class StepCosts:
     step, plain ones included). Samples are clipped to 0.5..2x the calibrated forward (plus drafting), so a JIT
     compile or a hiccup of the machine is not taken for the cost of a width.
     """
+
+    not_step_state = True  # shared by every call on a model (`step_graph.state_owners` skips it)
 
     forward: dict[int, float] = field(default_factory=dict)  # width -> seconds of one calibrated target forward
     calibrated: bool = False  # False: borrowed from the nearest calibrated batch size (met mid-call)
@@ -245,6 +251,8 @@ class StepCosts:
 @dataclass
 class ModelMemory:
     """What the adaptive schedule learned about one target model, per proposer (`cost_key`)."""
+
+    not_step_state = True  # shared by every call on a model (`step_graph.state_owners` skips it)
 
     costs: dict[tuple[str, int], StepCosts] = field(default_factory=dict)  # (cost_key, batch size) -> costs
     stats: dict[tuple[str, int], AcceptanceStats] = field(default_factory=dict)  # (cost_key, max_k) -> stats

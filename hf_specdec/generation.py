@@ -25,7 +25,7 @@ from hf_specdec import compat
 from hf_specdec.call_checks import HANDLED_MODEL_KWARGS, check_speculation_type
 from hf_specdec.config import SpecDecoder
 from hf_specdec.decoding import LoopOutput, SpeculativeLoop
-from hf_specdec.locks import compiled_call_lock
+from hf_specdec.locks import model_call_lock
 from hf_specdec.metrics import SpecDecodeStats
 from hf_specdec.plan import CallPlan, build_proposer, row_seeds
 from hf_specdec.recurrent import is_hybrid
@@ -104,27 +104,29 @@ def generate(
         )
     if plan.streamer is not None and dropped is not plan.streamer:  # not put twice when given under both names
         plan.streamer.put(input_ids.cpu())
-    loop = SpeculativeLoop(
-        model=model,
-        proposer=plan.proposer,
-        batch=plan.batch,
-        sampling=plan.sampling,
-        stop_rules=plan.stop_rules,
-        num_speculative_tokens=plan.spec.max_speculative_tokens,
-        max_length=plan.max_length,
-        streamer=plan.streamer,
-        output_scores=plan.output_scores,
-        output_logits=plan.output_logits,
-        static=plan.static,
-        exact=plan.exact,
-        handoff=plan.handoff,
-        view_factory=plan.view_factory,
-        on_step=plan.spec.on_step,
-    )
-    compiled = plan.static is not None and plan.static.compiled_call(model) is not None
-    with compiled_call_lock(model, compiled):  # dynamo compiles one call at a time per model (`hf_specdec.locks`)
+    # A call on a GPU's static path (captured steps, compiled forwards) runs alone on its model (`hf_specdec.locks`):
+    # its caches are allocated and its graphs destroyed under the lock, never during another call's capture.
+    serial = plan.static is not None and (plan.static.can_capture or plan.static.compiled_call(model) is not None)
+    with model_call_lock(model, serial):
+        loop = SpeculativeLoop(
+            model=model,
+            proposer=plan.proposer,
+            batch=plan.batch,
+            sampling=plan.sampling,
+            stop_rules=plan.stop_rules,
+            num_speculative_tokens=plan.spec.max_speculative_tokens,
+            max_length=plan.max_length,
+            streamer=plan.streamer,
+            output_scores=plan.output_scores,
+            output_logits=plan.output_logits,
+            static=plan.static,
+            exact=plan.exact,
+            handoff=plan.handoff,
+            view_factory=plan.view_factory,
+            on_step=plan.spec.on_step,
+        )
         result = loop.run()
-    loop.proposer.finish()
+        loop.proposer.finish()
     plan.spec.last_stats = loop.stats
     return outputs(plan, result, loop.stats)
 

@@ -5,8 +5,12 @@ ends, its graphs and its loop (which owns those tensors) are kept per target mod
 everything a graph bakes in (batch size, `max_length`, k, cache length, the models, dtypes, sampling and stopping
 settings). A later call with the same signature copies its own state into the homes and points its attributes at
 them (`adopt`), then replays. One call at a time uses an entry (a concurrent call with the same signature captures
-its own); at most `MAX_ENTRIES` are kept per model, the oldest dropped; `HF_SPECDEC_REUSE_GRAPHS=0` turns reuse off;
-`clear(model)` drops a model's entries (needed only after changing Python attributes that its forward reads).
+its own); at most `MAX_ENTRIES` are kept per model, the oldest dropped; `clear(model)` drops a model's entries (needed
+only after changing Python attributes that its forward reads).
+
+Reuse is **off unless `HF_SPECDEC_REUSE_GRAPHS=1`**: on an H100, a call that adopted graphs kept by two earlier calls
+(step kinds captured in different calls, as the adaptive schedule makes them) hit a device-side index assert in a
+replay, in some runs and not others. The cause is not found yet; the constant schedule's reuse passed every GPU run.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ _LOCK = threading.Lock()
 
 
 def enabled() -> bool:
-    return os.environ.get(REUSE_ENV, "1") != "0"
+    return os.environ.get(REUSE_ENV, "0") == "1"
 
 
 def owners_by_path(root: object) -> dict[str, object]:
@@ -63,7 +67,7 @@ def owners_by_path(root: object) -> dict[str, object]:
             return
         if not type(value).__module__.startswith("hf_specdec") or id(value) in seen or not hasattr(value, "__dict__"):
             return
-        if getattr(value, "step_bookkeeping", False):
+        if getattr(value, "not_step_state", False):
             return
         seen.add(id(value))
         found[path] = value

@@ -18,6 +18,8 @@ exact, with a one-time warning.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
 import warnings
 from collections.abc import Callable, Hashable, Iterator
@@ -44,7 +46,7 @@ def state_owners(root: object) -> list[object]:
             return
         if not type(value).__module__.startswith("hf_specdec") or id(value) in seen or not hasattr(value, "__dict__"):
             return
-        if getattr(value, "step_bookkeeping", False):  # a StepGraph's records of homes are not the step's state
+        if getattr(value, "not_step_state", False):  # a StepGraph's records, what calls share (`not_step_state`)
             return
         seen[id(value)] = value
         for attribute in vars(value).values():
@@ -59,6 +61,19 @@ def _attributes(owners: list[object], kind: type | tuple[type, ...]) -> Iterator
         for name, value in vars(owner).items():
             if isinstance(value, kind):
                 yield owner, name, value
+
+
+@contextlib.contextmanager
+def _no_garbage_collection() -> Iterator[None]:
+    """The garbage collector off during a capture: a collection could destroy another call's graph mid-capture
+    (`torch.cuda.graph` collects once before it begins)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 @dataclass
@@ -86,8 +101,10 @@ class StepGraph:
     key run the same kernels on the same addresses. `run(None, ...)` runs a step eagerly."""
 
     #: `state_owners` does not walk into a StepGraph (its records hold the homes of the state tensors, which would
-    #: make every rebound tensor look shared with other state at the next capture)
-    step_bookkeeping = True
+    #: make every rebound tensor look shared with other state at the next capture). Objects that every call on a
+    #: model shares (the adaptive schedule's memory) carry the same flag: the step never changes them, and other
+    #: threads' calls do, also while this one captures.
+    not_step_state = True
     #: tests on the CPU: keep and adopt a call's state though nothing was captured (its steps then run eagerly on
     #: the adopted tensors, which must give the same tokens)
     keep_uncaptured = False
@@ -163,8 +180,14 @@ class StepGraph:
         self.rebinds = [_Rebind(owners[path], name, getattr(owners[path], name)) for path, name in entry.rebind_paths]
 
     def finish(self) -> None:
-        """The call ends: keep its graphs (and the state they read) for a later call with the same signature."""
-        if self.signature is None or self.model is None or not (self.graphs or self.keep_uncaptured):
+        """The call ends: keep its graphs (and the state they read) for a later call with the same signature, or
+        destroy them now (the loop and its StepGraph refer to each other: left to the garbage collector, the graphs
+        would be destroyed at any later time, also while another thread captures, which CUDA refuses)."""
+        if not graph_reuse.enabled() or self.signature is None or self.model is None or not (
+            self.graphs or self.keep_uncaptured
+        ):
+            self.graphs.clear()
+            self.rebinds.clear()
             return
         entry = self.entry or graph_reuse.Entry(self.signature, self.root, self.device)
         if self.entry is not None:  # this loop now owns every tensor the kept graphs and the new ones read
@@ -203,7 +226,7 @@ class StepGraph:
         graph = torch.cuda.CUDAGraph()
         try:
             # One capture at a time; other threads' work goes on meanwhile and stays out of the graph (`locks`).
-            with CAPTURE_LOCK:
+            with CAPTURE_LOCK, _no_garbage_collection():
                 torch.cuda.synchronize()
                 with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                     self.step()

@@ -44,7 +44,15 @@ def test_adopt_refuses_other_shapes_and_changes_nothing():
     assert new.batch.token_ids is ids and old.batch.token_ids[0, :3].tolist() == [1, 2, 3]
 
 
-def test_an_entry_serves_one_call_at_a_time_and_only_its_signature():
+def test_reuse_is_off_unless_asked_for(monkeypatch):
+    monkeypatch.delenv(graph_reuse.REUSE_ENV, raising=False)
+    assert not graph_reuse.enabled()
+    monkeypatch.setenv(graph_reuse.REUSE_ENV, "1")
+    assert graph_reuse.enabled()
+
+
+def test_an_entry_serves_one_call_at_a_time_and_only_its_signature(monkeypatch):
+    monkeypatch.setenv(graph_reuse.REUSE_ENV, "1")
     class Model:
         pass
 
@@ -75,6 +83,7 @@ def test_calls_that_adopt_a_kept_calls_state_give_plain_output(monkeypatch, meth
     import hf_specdec
     from hf_specdec.step_graph import StepGraph
 
+    monkeypatch.setenv(graph_reuse.REUSE_ENV, "1")
     monkeypatch.setattr(StepGraph, "keep_uncaptured", True)
     adopted = []
     reuse = StepGraph._reuse

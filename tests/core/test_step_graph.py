@@ -70,3 +70,26 @@ def test_the_step_graph_own_records_are_not_step_state():
     assert graph not in owners and batch in owners
     tensors = [value for owner in owners for value in vars(owner).values() if isinstance(value, torch.Tensor)]
     assert len({id(t) for t in tensors}) == len(tensors)  # no tensor seen twice: the next capture is not refused
+
+
+def test_what_calls_share_is_not_any_calls_step_state(monkeypatch):
+    """Threads on one model share the adaptive schedule's memory and may share a SpecDecoder: a capture must not
+    take their changes by another call for its own step's (an H100 run with 8 threads refused every capture on
+    `StepCosts.draft_cost`), so the walk from a real call's loop never reaches them."""
+    from conftest import make_model, make_noisy_copy, make_prompts, spec_generate
+
+    import hf_specdec
+    from hf_specdec import adaptive
+
+    roots = []
+    init = StepGraph.__init__
+    monkeypatch.setattr(StepGraph, "__init__", lambda self, root, *a, **k: (roots.append(root), init(self, root, *a, **k))[1])  # fmt: skip
+    target = make_model("llama", seed=0)
+    spec = hf_specdec.SpecDecoder(draft_model=make_noisy_copy(target), num_speculative_tokens_schedule="adaptive")
+    spec_generate(target, make_prompts(2, seed=1), spec, max_new_tokens=8, cache_implementation="static")
+    assert roots, "the static call builds a StepGraph"
+    shared = (hf_specdec.SpecDecoder, adaptive.ModelMemory, adaptive.StepCosts, adaptive.AcceptanceStats,
+              adaptive.MeasuredSteps, StepGraph)  # fmt: skip
+    owners = state_owners(roots[0])
+    assert any(isinstance(o, adaptive.AdaptiveSchedule) for o in owners)  # the walk reaches the schedule...
+    assert not [type(o).__name__ for o in owners if isinstance(o, shared)]  # ...and nothing calls share
