@@ -184,8 +184,14 @@ _TRANSFORMERS_GENERATE_FILE = _transformers_generate_file()
 #: Set to 0 to keep static-cache steps uncaptured (a compiled forward per model call, each its own CUDA graph).
 CAPTURE_ENV = "HF_SPECDEC_CAPTURE_STEPS"
 
-#: Static caches get at least this many columns beyond max_length + k + 1 for holes between compactions.
-STATIC_HOLE_ROOM = 64
+#: Static caches get at least this many columns (and 4 verifies' worth) beyond max_length + k + 1 for holes that
+#: lagging rows leave between two compactions ...
+STATIC_HOLE_ROOM = 16
+
+#: ... rounded up to a multiple of this (which adds more room for holes): calls whose prompts differ by a few tokens
+#: get caches of one length, so a server's compiled forwards and captured steps see a few shapes, not one per prompt
+#: length.
+STATIC_LENGTH_BUCKET = 256
 
 
 #: Drafting methods the static-cache path does not run, as its refusal names them.
@@ -220,7 +226,8 @@ def static_plan(
         )
     k = spec.max_speculative_tokens
     # Room for every token, one verify's slots, and holes that lagging rows leave between two compactions.
-    max_columns = generation_config.max_length + k + 1 + max(STATIC_HOLE_ROOM, 4 * (k + 1))
+    needed = generation_config.max_length + k + 1 + max(STATIC_HOLE_ROOM, 4 * (k + 1))
+    max_columns = -(-needed // STATIC_LENGTH_BUCKET) * STATIC_LENGTH_BUCKET
 
     def compiled_for(m: PreTrainedModel) -> Callable | None:
         if not compile_forwards:  # the default route: eager forwards, captured with the whole step

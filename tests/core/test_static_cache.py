@@ -48,6 +48,7 @@ def test_static_long_generation_compacts_in_place_and_stays_exact(monkeypatch):
     """Lagging rows leave holes; past the static length's slack the cache compacts in place (sliding window too)."""
     from hf_specdec import generation
 
+    monkeypatch.setattr(generation, "STATIC_LENGTH_BUCKET", 1)  # exactly the room below
     monkeypatch.setattr(generation, "STATIC_HOLE_ROOM", 8)  # little room for holes: compact often
     target = make_model("mistral", seed=0)
     draft = make_noisy_copy(target, noise=0.02)
@@ -250,6 +251,7 @@ def test_captured_steps_on_cuda_stay_exact_through_finishers_and_compaction(batc
     from hf_specdec import generation
     from hf_specdec.generation import CAPTURE_ENV
 
+    monkeypatch.setattr(generation, "STATIC_LENGTH_BUCKET", 1)  # exactly the room below
     monkeypatch.setattr(generation, "STATIC_HOLE_ROOM", 8)  # little room for holes: lagging rows compact often
     torch._dynamo.config.cache_size_limit = 64
     target = make_model("llama", seed=0)
@@ -275,3 +277,24 @@ def test_captured_steps_on_cuda_stay_exact_through_finishers_and_compaction(batc
     finally:
         del os.environ[CAPTURE_ENV]
     assert torch.equal(uncaptured, expected) and spec.last_stats.num_graph_replays == 0
+
+
+def test_twenty_calls_of_varied_shapes_share_a_few_cache_lengths(monkeypatch):
+    """A server's calls differ in prompt length and new tokens: their static caches are rounded up to one length
+    bucket (`generation.STATIC_LENGTH_BUCKET`), so the shapes that compiled forwards and captured steps see are one
+    per batch size here, not one per call; every output equals plain's."""
+    from hf_specdec.step_graph import StepGraph
+
+    shapes = []
+    init = StepGraph.__init__
+    monkeypatch.setattr(StepGraph, "__init__", lambda self, root, *a, **k: (shapes.append((root.batch.batch_size, root.static.max_columns)), init(self, root, *a, **k))[1])  # fmt: skip
+    target = make_model("llama", seed=0)
+    spec = hf_specdec.SpecDecoder(draft_model=make_noisy_copy(target), num_speculative_tokens=3)
+    for call in range(20):
+        batch_size = 1 + call % 3
+        inputs = make_prompts(batch_size, seed=call, min_len=3, max_len=3 + 2 * call)  # prompts of 3-41 tokens
+        gen = dict(max_new_tokens=4 + call % 7, do_sample=False, eos_token_id=None)
+        expected = target.generate(**inputs, **gen)
+        assert torch.equal(spec_generate(target, inputs, spec, **gen, cache_implementation="static"), expected)
+    assert len(shapes) == 20
+    assert sorted(set(shapes)) == [(1, 256), (2, 256), (3, 256)]
