@@ -1,4 +1,4 @@
-"""The `custom_generate` entry point: `generate(model, input_ids, ...)`, and the static route's `static_plan`.
+"""The `custom_generate` entry point: `generate(model, input_ids, ...)`.
 
 transformers' own `generate` calls it after it prepared the inputs, logits processors and stopping criteria. It
 reads as the call's path: build the call plan (`hf_specdec.plan`: every check, the route, the proposer), build the
@@ -9,9 +9,7 @@ transformers' own speculation arguments here.
 from __future__ import annotations
 
 import inspect
-import os
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,8 +26,6 @@ from hf_specdec.decoding import LoopOutput, SpeculativeLoop
 from hf_specdec.locks import model_call_lock
 from hf_specdec.metrics import SpecDecodeStats
 from hf_specdec.plan import CallPlan, build_proposer, row_seeds
-from hf_specdec.recurrent import is_hybrid
-from hf_specdec.static_cache import StaticPlan
 
 # Re-exported: where callers and tests have always found them.
 __all__ = [
@@ -40,7 +36,6 @@ __all__ = [
     "check_speculation_type",
     "generate",
     "row_seeds",
-    "static_plan",
 ]
 
 
@@ -88,8 +83,6 @@ def generate(
         streamer=spec_streamer,
         tokenizer=spec_tokenizer,
         stop_strings=spec_stop_strings,
-        make_static=static_plan,
-        make_proposer=build_proposer,
     )
     # transformers puts the prompt into its own `streamer=` and then keeps it from a custom_generate callable.
     dropped = _streamer_transformers_kept(inspect.currentframe())
@@ -179,73 +172,3 @@ def _transformers_generate_file() -> str:
 
 
 _TRANSFORMERS_GENERATE_FILE = _transformers_generate_file()
-
-
-#: Set to 0 to keep static-cache steps uncaptured (a compiled forward per model call, each its own CUDA graph).
-CAPTURE_ENV = "HF_SPECDEC_CAPTURE_STEPS"
-
-#: Static caches get at least this many columns (and 4 verifies' worth) beyond max_length + k + 1 for holes that
-#: lagging rows leave between two compactions ...
-STATIC_HOLE_ROOM = 16
-
-#: ... rounded up to a multiple of this (which adds more room for holes): calls whose prompts differ by a few tokens
-#: get caches of one length, so a server's compiled forwards and captured steps see a few shapes, not one per prompt
-#: length.
-STATIC_LENGTH_BUCKET = 256
-
-
-#: Drafting methods the static-cache path does not run, as its refusal names them.
-STATIC_UNSUPPORTED_METHODS = {
-    "early_exit": "early-exit drafts",
-    "gemma4_assistant": "Gemma 4 assistants",
-    "dflash": "DFlash drafters",
-    "eagle3": "EAGLE-3 draft heads",
-}
-
-
-def static_plan(
-    model: PreTrainedModel,
-    spec: SpecDecoder,
-    generation_config: GenerationConfig,
-    cache: Any = None,
-    compile_forwards: bool = True,
-) -> StaticPlan:
-    """Static caches for this call: on a GPU its whole steps captured as CUDA graphs, with the forwards compiled
-    where transformers' own rules allow it and `compile_forwards` asks for it (else eager forwards, captured)."""
-    unsupported = None
-    if model.config.is_encoder_decoder:
-        unsupported = f"an encoder-decoder target ({type(model).__name__})"
-    elif spec.method in STATIC_UNSUPPORTED_METHODS or spec.draft_tokenizer is not None:
-        unsupported = STATIC_UNSUPPORTED_METHODS.get(spec.method, "a draft with another tokenizer")
-    elif cache is not None and int(cache.get_seq_length()) > 0:
-        unsupported = "continuing a filled past_key_values"
-    if unsupported:
-        raise NotImplementedError(
-            f"cache_implementation='static' does not support {unsupported} in hf_specdec yet (it covers decoder-only "
-            "targets with a draft model, prompt lookup or MTP): drop cache_implementation='static'."
-        )
-    k = spec.max_speculative_tokens
-    # Room for every token, one verify's slots, and holes that lagging rows leave between two compactions.
-    needed = generation_config.max_length + k + 1 + max(STATIC_HOLE_ROOM, 4 * (k + 1))
-    max_columns = -(-needed // STATIC_LENGTH_BUCKET) * STATIC_LENGTH_BUCKET
-
-    def compiled_for(m: PreTrainedModel) -> Callable | None:
-        if not compile_forwards:  # the default route: eager forwards, captured with the whole step
-            return None
-        if m is model and spec.method == "mtp":  # MTP reads the target's hidden states through a forward hook
-            return None
-        if is_hybrid(m):  # the recurrent rollback hooks the mixers and re-runs them: hybrids run eagerly
-            return None
-        if plan.capture_steps:  # the loop captures whole steps: forwards compiled without graphs of their own
-            return compat.compiled_call_without_graphs(m, generation_config)
-        return compat.compiled_call(m, generation_config)
-
-    plan = StaticPlan(k=k, max_columns=max_columns, compiled_call=compiled_for)
-    plan.hybrid = any(m is not None and is_hybrid(m) for m in (model, spec.draft_model))
-    plan.can_capture = (
-        not plan.hybrid
-        and model.device.type == "cuda"
-        and spec.method != "mtp"
-        and os.environ.get(CAPTURE_ENV, "1") != "0"
-    )
-    return plan

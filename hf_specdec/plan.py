@@ -19,7 +19,7 @@ from transformers.generation.stopping_criteria import StoppingCriteriaList, Stop
 
 from hf_specdec import compat, proposers
 from hf_specdec.batch import RaggedBatch
-from hf_specdec.cache_route import choose_route, say_once
+from hf_specdec.cache_route import choose_route, say_once, static_plan
 from hf_specdec.call_checks import (
     check_alibi_columns,
     check_call,
@@ -42,11 +42,6 @@ from hf_specdec.stopping import StopRules
 
 Route = Literal["dynamic", "static", "hybrid", "encoder_decoder"]
 
-#: `static_plan(model, spec, generation_config, cache, compile_forwards) -> StaticPlan`: the static route's plan
-#: (`generation.static_plan`).
-StaticPlanner = Callable[[PreTrainedModel, SpecDecoder, GenerationConfig, Any, bool], StaticPlan]
-#: `build_proposer(spec, model, tokenizer, encoder, static=...) -> Top1Proposer` (`build_proposer` below).
-ProposerBuilder = Callable[..., Top1Proposer]
 
 
 @dataclass(frozen=True)
@@ -85,13 +80,8 @@ class CallPlan:
         streamer: Any = None,
         tokenizer: Any = None,
         stop_strings: str | list[str] | None = None,
-        make_static: StaticPlanner,
-        make_proposer: ProposerBuilder | None = None,
     ) -> CallPlan:
         """Check the call and resolve it; no model forward runs here.
-
-        `make_static` builds the static route's `StaticPlan` (`generation.static_plan`), `make_proposer` the proposer
-        (default: `build_proposer`); `generate` passes its own, the seams that tests and callers patch.
 
         The checks, in order: the SpecDecoder; the target's cache and attention (`model_support`); generate's
         settings (`call_checks.check_call`); the draft's cache; ALiBi; `speculation_type`; hybrids (`recurrent`);
@@ -122,7 +112,7 @@ class CallPlan:
             encoder, decoder_mask = encoder_state(model_kwargs), None
         cache = compat.get_cache(model_kwargs)
         cache_route = choose_route(model, spec, config, cache)
-        static = make_static(model, spec, config, cache, cache_route.compile) if cache_route.static else None
+        static = static_plan(model, spec, config, cache, cache_route.compile) if cache_route.static else None
         handoff = (
             None
             if static or is_hybrid(model)  # hybrids: no cache to adopt or hand back (refused above)
@@ -148,15 +138,14 @@ class CallPlan:
                     f"(among {names}), which run on the exact position-by-position path; that path does not run on "
                     "static caches yet: drop cache_implementation='static' (the default dynamic cache supports them)."
                 )
-        make_proposer = make_proposer or build_proposer
-        proposer = make_proposer(spec, model, tokenizer, encoder, static=static is not None)
+        proposer = build_proposer(spec, model, tokenizer, encoder, static=static is not None)
         if static is not None and cache_route.by_default:  # the default takes the static path only where it is captured
             proposer.use_static(static)  # what it can capture depends on the path (prompt lookup: on the device)
             blocker = capture_blocker(sampling, stop_rules, exact, proposer, host_outputs=False, hybrid=static.hybrid)
             if blocker is not None:
                 say_once(blocker)
                 static = None
-                proposer = make_proposer(spec, model, tokenizer, encoder, static=False)
+                proposer = build_proposer(spec, model, tokenizer, encoder, static=False)
                 if handoff is None and not is_hybrid(model):
                     handoff = build_handoff(model, spec, input_ids, config, cache)
         route: Route = "static" if static is not None else "encoder_decoder" if encoder is not None else "dynamic"

@@ -10,7 +10,7 @@ layers: the window is applied by the mask, in tokens (HF's static sliding layer 
 which a column map with holes cannot use). A hybrid's recurrent layers stay transformers' own `linear_attention`
 layers (no columns: compaction leaves them alone); `RecurrentRollback` rolls them back as on the dynamic path, and
 their forwards run eagerly (never compiled or captured). `StaticPlan` is the call's static-cache description that
-the views, the proposers and the loop share (`generation.static_plan` builds it).
+the views, the proposers and the loop share (`cache_route.static_plan` builds it).
 """
 
 from __future__ import annotations

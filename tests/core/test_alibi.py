@@ -16,7 +16,7 @@ from conftest import EOS_ID, PAD_ID, VOCAB, make_noisy_copy, make_prompts, spec_
 from transformers import BloomConfig, BloomForCausalLM, FalconConfig, FalconForCausalLM, MptConfig, MptForCausalLM
 
 import hf_specdec
-from hf_specdec import generation
+from hf_specdec import cache_route
 from hf_specdec import cache as cache_module
 from hf_specdec.model_support import alibi_from_columns, alibi_from_mask
 
@@ -120,8 +120,8 @@ def test_alibi_long_ragged_run_compacts(alibi_pair, compactions) -> None:
 @pytest.mark.parametrize("method", ["draft", "ngram"])
 def test_alibi_on_the_static_cache_matches_plain(alibi_pair, method, monkeypatch) -> None:
     """The static path: the 2-D mask over the whole static length, one write offset, compaction in place."""
-    monkeypatch.setattr(generation, "STATIC_LENGTH_BUCKET", 1)  # room for 64 holes exactly: lagging rows compact
-    monkeypatch.setattr(generation, "STATIC_HOLE_ROOM", 64)
+    monkeypatch.setattr(cache_route, "STATIC_LENGTH_BUCKET", 1)  # room for 64 holes exactly: lagging rows compact
+    monkeypatch.setattr(cache_route, "STATIC_HOLE_ROOM", 64)
     arch, target, draft = alibi_pair
     inputs = make_prompts(8, seed=3)
     expected = target.generate(**inputs, **GREEDY)

@@ -169,10 +169,10 @@ def test_hybrid_static_cache_greedy_matches_plain(model_type, batch_size):
 
 def test_hybrid_static_cache_compacts_in_place_and_matches_plain(monkeypatch):
     """Little room for holes: the static attention columns compact in place (recurrent layers left alone)."""
-    from hf_specdec import generation
+    from hf_specdec import cache_route
 
-    monkeypatch.setattr(generation, "STATIC_LENGTH_BUCKET", 1)  # exactly the room below
-    monkeypatch.setattr(generation, "STATIC_HOLE_ROOM", 8)
+    monkeypatch.setattr(cache_route, "STATIC_LENGTH_BUCKET", 1)  # exactly the room below
+    monkeypatch.setattr(cache_route, "STATIC_HOLE_ROOM", 8)
     target = make_hybrid("granitemoehybrid")
     inputs = make_prompts(4, seed=3, min_len=2, max_len=20)
     kwargs = greedy(max_new_tokens=60)

@@ -46,10 +46,10 @@ def test_static_ragged_acceptance_and_early_finishers(arch):
 
 def test_static_long_generation_compacts_in_place_and_stays_exact(monkeypatch):
     """Lagging rows leave holes; past the static length's slack the cache compacts in place (sliding window too)."""
-    from hf_specdec import generation
+    from hf_specdec import cache_route
 
-    monkeypatch.setattr(generation, "STATIC_LENGTH_BUCKET", 1)  # exactly the room below
-    monkeypatch.setattr(generation, "STATIC_HOLE_ROOM", 8)  # little room for holes: compact often
+    monkeypatch.setattr(cache_route, "STATIC_LENGTH_BUCKET", 1)  # exactly the room below
+    monkeypatch.setattr(cache_route, "STATIC_HOLE_ROOM", 8)  # little room for holes: compact often
     target = make_model("mistral", seed=0)
     draft = make_noisy_copy(target, noise=0.02)
     inputs = make_prompts(4, seed=3, min_len=2, max_len=30)
@@ -222,7 +222,7 @@ def test_compiled_path_on_cuda_is_exact_and_compiles_once(method):
 def test_prompt_lookup_steps_are_captured_on_cuda_with_the_constant_schedule(batch_size, monkeypatch):
     """Greedy prompt lookup with the constant schedule searches on the device (`ngram_device`), so its static steps
     are captured whole and replayed; the tokens equal plain static `generate`, and the same with capture off."""
-    from hf_specdec.generation import CAPTURE_ENV
+    from hf_specdec.cache_route import CAPTURE_ENV
 
     torch._dynamo.config.cache_size_limit = 64
     target = make_model("llama", seed=0).cuda()
@@ -248,11 +248,11 @@ def test_captured_steps_on_cuda_stay_exact_through_finishers_and_compaction(batc
     the same call with capture switched off gives the same tokens."""
     import os
 
-    from hf_specdec import generation
-    from hf_specdec.generation import CAPTURE_ENV
+    from hf_specdec import cache_route
+    from hf_specdec.cache_route import CAPTURE_ENV
 
-    monkeypatch.setattr(generation, "STATIC_LENGTH_BUCKET", 1)  # exactly the room below
-    monkeypatch.setattr(generation, "STATIC_HOLE_ROOM", 8)  # little room for holes: lagging rows compact often
+    monkeypatch.setattr(cache_route, "STATIC_LENGTH_BUCKET", 1)  # exactly the room below
+    monkeypatch.setattr(cache_route, "STATIC_HOLE_ROOM", 8)  # little room for holes: lagging rows compact often
     torch._dynamo.config.cache_size_limit = 64
     target = make_model("llama", seed=0)
     draft = make_noisy_copy(target, noise=0.2, seed=3).cuda()
@@ -281,7 +281,7 @@ def test_captured_steps_on_cuda_stay_exact_through_finishers_and_compaction(batc
 
 def test_twenty_calls_of_varied_shapes_share_a_few_cache_lengths(monkeypatch):
     """A server's calls differ in prompt length and new tokens: their static caches are rounded up to one length
-    bucket (`generation.STATIC_LENGTH_BUCKET`), so the shapes that compiled forwards and captured steps see are one
+    bucket (`cache_route.STATIC_LENGTH_BUCKET`), so the shapes that compiled forwards and captured steps see are one
     per batch size here, not one per call; every output equals plain's."""
     from hf_specdec.step_graph import StepGraph
 
