@@ -84,8 +84,43 @@ def generate(
         tokenizer=spec_tokenizer,
         stop_strings=spec_stop_strings,
     )
-    # transformers puts the prompt into its own `streamer=` and then keeps it from a custom_generate callable.
-    dropped = _streamer_transformers_kept(inspect.currentframe())
+    _stream_prompt(plan, input_ids, inspect.currentframe())
+    # A call on a GPU's static path (captured steps, compiled forwards) runs alone on its model (`hf_specdec.locks`):
+    # its caches are allocated and its graphs destroyed under the lock, never during another call's capture.
+    serial = plan.static is not None and (plan.static.can_capture or plan.static.compiled_call(model) is not None)
+    with model_call_lock(model, serial):
+        loop = build_loop(model, plan)
+        result = loop.run()
+        loop.proposer.finish()
+    plan.spec.last_stats = loop.stats
+    return outputs(plan, result, loop.stats)
+
+
+def build_loop(model: PreTrainedModel, plan: CallPlan) -> SpeculativeLoop:
+    """The decoding loop of a planned call."""
+    return SpeculativeLoop(
+        model=model,
+        proposer=plan.proposer,
+        batch=plan.batch,
+        sampling=plan.sampling,
+        stop_rules=plan.stop_rules,
+        num_speculative_tokens=plan.spec.max_speculative_tokens,
+        max_length=plan.max_length,
+        streamer=plan.streamer,
+        output_scores=plan.output_scores,
+        output_logits=plan.output_logits,
+        static=plan.static,
+        exact=plan.exact,
+        handoff=plan.handoff,
+        view_factory=plan.view_factory,
+        on_step=plan.spec.on_step,
+    )
+
+
+def _stream_prompt(plan: CallPlan, input_ids: torch.Tensor, frame: Any) -> None:
+    """Put the prompt into the call's streamer, as plain `generate` does; warn once per call when transformers kept
+    a `streamer=` from this `custom_generate` call (it streamed the prompt there and nothing more would come)."""
+    dropped = _streamer_transformers_kept(frame)
     if dropped is not None and dropped is not plan.streamer:
         warnings.warn(
             "model.generate(streamer=...) was called with custom_generate=hf_specdec.generate: transformers streamed "
@@ -93,35 +128,10 @@ def generate(
             "from this call. Pass it as spec_streamer=streamer (or SpecDecoder(streamer=...), or call "
             "hf_specdec.install() and pass streamer= without custom_generate=).",
             UserWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
     if plan.streamer is not None and dropped is not plan.streamer:  # not put twice when given under both names
         plan.streamer.put(input_ids.cpu())
-    # A call on a GPU's static path (captured steps, compiled forwards) runs alone on its model (`hf_specdec.locks`):
-    # its caches are allocated and its graphs destroyed under the lock, never during another call's capture.
-    serial = plan.static is not None and (plan.static.can_capture or plan.static.compiled_call(model) is not None)
-    with model_call_lock(model, serial):
-        loop = SpeculativeLoop(
-            model=model,
-            proposer=plan.proposer,
-            batch=plan.batch,
-            sampling=plan.sampling,
-            stop_rules=plan.stop_rules,
-            num_speculative_tokens=plan.spec.max_speculative_tokens,
-            max_length=plan.max_length,
-            streamer=plan.streamer,
-            output_scores=plan.output_scores,
-            output_logits=plan.output_logits,
-            static=plan.static,
-            exact=plan.exact,
-            handoff=plan.handoff,
-            view_factory=plan.view_factory,
-            on_step=plan.spec.on_step,
-        )
-        result = loop.run()
-        loop.proposer.finish()
-    plan.spec.last_stats = loop.stats
-    return outputs(plan, result, loop.stats)
 
 
 def outputs(plan: CallPlan, result: LoopOutput, stats: SpecDecodeStats) -> torch.LongTensor | SpecDecodeOutput:
