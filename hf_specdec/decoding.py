@@ -10,7 +10,7 @@ the token rows as plain `generate` would lay them out, plus the per-token scores
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +19,7 @@ from transformers import PreTrainedModel
 from hf_specdec.batch import RaggedBatch
 from hf_specdec.cache import CacheView
 from hf_specdec.continuation import CacheHandoff
+from hf_specdec.draft_budgets import DraftBudgets
 from hf_specdec.exact import ExactPath
 from hf_specdec.metrics import SpecDecodeStats, StepRecord
 from hf_specdec.proposers.base import Proposal, Proposer
@@ -26,6 +27,7 @@ from hf_specdec.proposers.draft_model import draft_position_limit
 from hf_specdec.sampling import random as row_random
 from hf_specdec.sampling.processors import StepSampling
 from hf_specdec.sampling.rejection import rejection_sample
+from hf_specdec.schedules import SpeculationSchedule
 from hf_specdec.static_cache import StaticCacheView, StaticPlan
 from hf_specdec.step_graph import StepGraph
 from hf_specdec.stopping import StopRules
@@ -36,6 +38,7 @@ def capture_blocker(
     stop_rules: StopRules,
     exact: ExactPath | None,
     proposer: Proposer,
+    plans_on_host: bool,
     host_outputs: bool,
     hybrid: bool = False,
 ) -> str | None:
@@ -51,7 +54,9 @@ def capture_blocker(
         names = sorted({type(c).__name__ for c in stop_rules.general})
         return f"stopping criteria {names} (stop strings, max_time, your own) run on the host"
     if not proposer.capturable:
-        return "this proposer or its schedule decides on the host every step"
+        return "this proposer decides on the host every step"
+    if not plans_on_host:
+        return "this k schedule decides on the host every step"
     if hybrid:
         return "hybrid models roll their recurrent states back with host reads and re-runs"
     return None
@@ -85,8 +90,10 @@ class SpeculativeLoop:
         handoff: CacheHandoff | None = None,
         view_factory: Callable[[PreTrainedModel, RaggedBatch], CacheView] | None = None,
         on_step: Callable[[StepRecord], None] | None = None,
+        schedule: SpeculationSchedule | None = None,
     ) -> None:
         self.model = model
+        self.budgets = DraftBudgets(schedule, static is not None)  # asks the k schedule, tells it what was accepted
         self.on_step = on_step  # SpecDecoder.on_step: told every step's kept tokens (one host copy, only when set)
         self.proposer = proposer
         self.batch = batch
@@ -144,13 +151,16 @@ class SpeculativeLoop:
         self.stats.start(self.k, self.batch.device)
         self.proposer.attach(self.model)
         try:
+            self.budgets.start(self.batch)
             self.proposer.prefill(self.batch, self.sampling)
             self.step()  # step 0: its verify is the target's prefill, as in plain generate and HF's assisted loop
             self.stats.time_to_first_token_s = time.perf_counter() - start
             if self.live():
+                self.budgets.calibrate(self.time_verify)
                 self.proposer.calibrate(self.time_verify)
             while self.live():
                 self.step()
+            self.budgets.finish()
         finally:
             self.proposer.detach()
             if self.step_graph is not None:
@@ -176,7 +186,7 @@ class SpeculativeLoop:
             model_serial(self.model), self.batch.batch_size, self.batch.capacity, self.max_length, self.k,
             self.static.max_columns, str(self.batch.device), self.sampling.do_sample,
             tuple(settings(p) for p in self.sampling.pure), settings(stops), tuple(stops.max_lengths),
-            settings(self.proposer), settings(inner), models, type(self.proposer.schedule).__name__,
+            settings(self.proposer), settings(inner), models, type(self.budgets.schedule).__name__,
         )  # fmt: skip
 
     def live(self) -> bool:
@@ -224,16 +234,26 @@ class SpeculativeLoop:
     def _capturable(self, host_outputs: bool) -> bool:
         """Whether a step's device work can be one CUDA graph: fixed shapes, no host read, no host output."""
         hybrid = self.static is not None and self.static.hybrid
-        return capture_blocker(self.sampling, self.stop_rules, self.exact, self.proposer, host_outputs, hybrid) is None
+        plans = self.budgets.plans_on_host
+        return capture_blocker(self.sampling, self.stop_rules, self.exact, self.proposer, plans, host_outputs, hybrid) is None
 
     def step(self) -> None:
         if self.step_graph is not None and self.prefilled:  # host decisions first, then the device work
-            self.step_graph.run(self.proposer.plan_step(self.batch), fits=self._fits())
+            self.step_graph.run(self.plan_step(), fits=self._fits())
         else:
             self.device_step()
         self.stats.count_step(self.batch.batch_size - self.num_frozen)
         self.retire_finished()
-        self.proposer.after_step(measured=self.step_graph is None or self.step_graph.steady)
+        self.budgets.after_step(measured=self.step_graph is None or self.step_graph.steady)
+        self.proposer.after_step()
+
+    def plan_step(self) -> Hashable | None:
+        """A planned static step's host decisions, made before its device work, as the key of its CUDA graph: no
+        row drafts (one graph), or some do, each within its budget, at width k (the proposer's graph)."""
+        if self.budgets.plan(self.batch, self.k) == 0:
+            return ("plain",)
+        inner = self.proposer.plan_step(self.batch)
+        return None if inner is None else ("draft", inner)
 
     def _fits(self) -> bool:
         """Whether the next step's forwards fit every static cache without compacting (as the captured step did;
@@ -265,7 +285,12 @@ class SpeculativeLoop:
     def propose(self) -> Proposal:
         room = self.max_length - self.batch.lengths - 1  # [B] drafts that still fit before max_length
         max_draft = room.clamp(min=0, max=self.k).masked_fill(self.frozen, 0)  # [B]
-        proposal = self.proposer.propose(self.batch, max_draft, self.sampling)
+        if self.budgets.planned_width == 0:  # planned: no row drafts this step
+            proposal = Proposal.empty(self.batch.batch_size, self.batch.device)
+        else:
+            budget = self.budgets.budgets(self.batch, max_draft)  # [B]
+            proposal = self.proposer.propose(self.batch, budget, self.sampling, trim=self.budgets.trim)
+        self.budgets.proposed(proposal)
         # Drafts go into the scratch space after each row's tokens: processors and stops read them.
         width = proposal.draft_token_ids.shape[1]
         if width:
@@ -356,6 +381,7 @@ class SpeculativeLoop:
     def rollback(self, num_accepted: torch.Tensor) -> None:
         # The target holds every token but each row's newest one, which the next verify feeds.
         self.target.rollback(self.batch.lengths - 1)
+        self.budgets.accepted(num_accepted)
         self.proposer.commit(self.batch, num_accepted)
 
     # --- bookkeeping -------------------------------------------------------------------------------
@@ -398,6 +424,7 @@ class SpeculativeLoop:
             batch.select_rows(keep)
             self.frozen = self.frozen[keep]
             self.target.select_rows(keep)
+            self.budgets.select_rows(keep)
             self.proposer.select_rows(keep)
             self.sampling.select_rows(keep)
             self.stop_rules.select_rows(keep)

@@ -91,7 +91,6 @@ def generate(
     with model_call_lock(model, serial):
         loop = build_loop(model, plan)
         result = loop.run()
-        loop.proposer.finish()
     plan.spec.last_stats = loop.stats
     return outputs(plan, result, loop.stats)
 
@@ -114,6 +113,7 @@ def build_loop(model: PreTrainedModel, plan: CallPlan) -> SpeculativeLoop:
         handoff=plan.handoff,
         view_factory=plan.view_factory,
         on_step=plan.spec.on_step,
+        schedule=plan.schedule,
     )
 
 

@@ -29,6 +29,7 @@ from hf_specdec.call_checks import (
 from hf_specdec.config import SpecDecoder
 from hf_specdec.continuation import CacheHandoff, build_handoff
 from hf_specdec.decoding import capture_blocker
+from hf_specdec.draft_budgets import DraftBudgets
 from hf_specdec.exact import ExactPath, needs_exact_path
 from hf_specdec.model_support import check_supported_cache
 from hf_specdec.proposers.base import Proposer
@@ -54,7 +55,7 @@ class CallPlan:
     batch: RaggedBatch
     sampling: StepSampling
     stop_rules: StopRules
-    proposer: Top1Proposer  # the method's proposer, with its schedule, under the per-row budgets
+    proposer: Top1Proposer  # the method's proposer, under the per-row budgets
     max_length: int
     streamer: Any
     output_scores: bool
@@ -65,6 +66,7 @@ class CallPlan:
     static: StaticPlan | None = None
     exact: ExactPath | None = None  # processors or criteria off the allow-lists: the position-by-position path
     handoff: CacheHandoff | None = None
+    schedule: SpeculationSchedule | None = None  # the per-row k schedule the loop asks for budgets (None: always k)
 
     @classmethod
     def build(
@@ -139,13 +141,17 @@ class CallPlan:
                     "static caches yet: drop cache_implementation='static' (the default dynamic cache supports them)."
                 )
         proposer = build_proposer(spec, model, tokenizer, encoder, static=static is not None)
+        schedule = build_schedule(spec, model, proposer.inner, static=static is not None)
         if static is not None and cache_route.by_default:  # the default takes the static path only where it is captured
             proposer.use_static(static)  # what it can capture depends on the path (prompt lookup: on the device)
-            blocker = capture_blocker(sampling, stop_rules, exact, proposer, host_outputs=False, hybrid=static.hybrid)
+            plans = DraftBudgets(schedule, static=True).plans_on_host
+            blocker = capture_blocker(sampling, stop_rules, exact, proposer, plans, host_outputs=False,
+                                      hybrid=static.hybrid)  # fmt: skip
             if blocker is not None:
                 say_once(blocker)
                 static = None
                 proposer = build_proposer(spec, model, tokenizer, encoder, static=False)
+                schedule = build_schedule(spec, model, proposer.inner, static=False)
                 if handoff is None and not is_hybrid(model):
                     handoff = build_handoff(model, spec, input_ids, config, cache)
         route: Route = "static" if static is not None else "encoder_decoder" if encoder is not None else "dynamic"
@@ -168,6 +174,7 @@ class CallPlan:
             static=static,
             exact=exact,
             handoff=handoff,
+            schedule=schedule,
         )
 
 
@@ -199,12 +206,11 @@ def build_proposer(
     """The proposer that `spec` describes, checked against the target model.
 
     The method's registered constructor (`hf_specdec.proposers`) builds and checks it; it is always wrapped in a
-    `Top1Proposer`, the one place where per-row draft budgets are decided (the draft's position limit,
-    `max_draft_len`, the k schedule); its cost is a few [B] tensor ops per step.
+    `Top1Proposer`, which drafts within each row's budget (the loop's, under the draft's position limit and
+    `max_draft_len`); its cost is a few [B] tensor ops per step.
     """
     inner = proposers.build(spec, model, proposers.ProposerContext(tokenizer=tokenizer, encoder=encoder, static=static))
-    schedule = build_schedule(spec, model, inner, static)
-    return Top1Proposer(inner, max_draft_len=spec.max_draft_len, schedule=schedule)
+    return Top1Proposer(inner, max_draft_len=spec.max_draft_len)
 
 
 def build_schedule(

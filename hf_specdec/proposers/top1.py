@@ -1,8 +1,8 @@
-"""`Top1Proposer`: decides, per row and step, how many drafts a row may have (0..k), then runs the inner proposer.
+"""`Top1Proposer`: each row's drafts within its budget (0..k) for the step, from the inner proposer.
 
-Rows that would run past the draft's position limit (or a user `max_draft_len`), rows whose schedule gives
-them no drafts this step, and rows for which the inner proposer finds nothing get 0 drafts and simply decode
-one token through the same batched target forward. The inner proposer runs only for the rows that may
+Rows that would run past the draft's position limit (or a user `max_draft_len`), rows whose budget from the loop
+(its room and its schedule: `hf_specdec.draft_budgets`) is 0, and rows for which the inner proposer finds nothing
+get 0 drafts and simply decode one token through the same batched target forward. The inner proposer runs only for the rows that may
 speculate (a sub-batch for stateless proposers on dynamic caches, zero budgets otherwise), and its result is
 merged back with `-1` ids and zero probabilities. `build_proposer` always wraps its proposer in one, so this is
 the single place where per-row draft budgets are decided.
@@ -23,7 +23,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from hf_specdec.sampling.processors import StepSampling
-    from hf_specdec.schedules import SpeculationSchedule
     from hf_specdec.static_cache import StaticPlan
 
 __all__ = ["Top1Proposer", "length_budget"]
@@ -44,35 +43,21 @@ class Top1Proposer(Proposer):
     Wraps a proposer and gives each row its own draft budget in 0..k per step (vLLM's Top-1 proposer, generalised
     from "0 or k" to any length per row).
 
-    A row's budget is the smallest of: what the decoding loop allows (room left before `max_length`), what the
-    schedule gives it this step (`schedule`, e.g. HF's heuristic or the adaptive cost model), and what keeps
-    `seq_len + d < min(inner.max_positions, max_draft_len)`. Rows with budget 0 are not shown to the inner
-    proposer; when no row may speculate, the inner proposer is not called at all (the step is a plain decode).
+    A row's budget is the smallest of what the loop gives it (its room before `max_length` and its schedule's
+    choice: `hf_specdec.draft_budgets`) and what keeps `seq_len + d < min(inner.max_positions, max_draft_len)`.
+    Rows with budget 0 are not shown to the inner proposer; when no row may speculate, the inner proposer is not
+    called at all (the step is a plain decode).
 
     Args:
         inner (`Proposer`): The proposer that drafts (n-gram, draft model, ...).
         max_draft_len (`int`, *optional*): Rows whose length (prompt + generated, padding excluded) plus their
             drafts would reach this stop speculating; combined with the inner proposer's `max_positions`.
-        schedule (`SpeculationSchedule`, *optional*): Per-row draft budgets per step; `None` means always k.
     """
 
-    def __init__(
-        self,
-        inner: Proposer,
-        max_draft_len: int | None = None,
-        schedule: SpeculationSchedule | None = None,
-    ) -> None:
+    def __init__(self, inner: Proposer, max_draft_len: int | None = None) -> None:
         self.inner = inner
         limits = [n for n in (inner.max_positions, max_draft_len) if n is not None]
         self.limit = min(limits) if limits else None
-        self.schedule = schedule
-        self.last_num_draft_tokens: torch.Tensor | None = None  # [B] drafts of the latest proposal
-        # Static caches with a schedule that decides on the host (`plan_step`): the step's draft width (0 or k),
-        # the rows' budgets on the device (filled before the step's graph), and what it accepted (for after_step).
-        self.planned_width: int | None = None
-        self.planned_budgets: torch.Tensor | None = None  # [B]
-        self.last_num_accepted: torch.Tensor | None = None  # [B]
-        self.last_draft_keys: torch.Tensor | None = None  # [B] keys of the latest planned drafts (prompt lookup)
 
     @property
     def returns_probs(self) -> bool:  # type: ignore[override]
@@ -90,72 +75,41 @@ class Top1Proposer(Proposer):
         self.inner.attach(target)
 
     def calibrate(self, time_verify: Callable[[int], float]) -> None:
-        if self.schedule is not None:
-            self.schedule.calibrate(time_verify)
         self.inner.calibrate(time_verify)
 
     def detach(self) -> None:
         self.inner.detach()
 
     def prefill(self, batch: RaggedBatch, sampling: StepSampling) -> None:
-        if self.schedule is not None:
-            self.schedule.start(batch.batch_size, batch.device)
         self.inner.prefill(batch, sampling)
 
-    def budgets(self, batch: RaggedBatch, max_draft_tokens: torch.Tensor) -> torch.Tensor:  # [B]
-        """Drafts each row may have this step: the loop's room, the schedule's choice and the length limit."""
-        budget = max_draft_tokens.clone()  # [B]
-        if self.schedule is not None:
-            planned = self.planned_budgets if self.planned_width is not None else None
-            budget = torch.minimum(budget, planned if planned is not None else self.schedule.budgets(batch))
+    def budgets(self, batch: RaggedBatch, budget: torch.Tensor) -> torch.Tensor:  # [B]
+        """The loop's budgets ([B]) under the length limit."""
         by_length = length_budget(batch.lengths - batch.pad_lengths, self.limit)
-        if by_length is not None:
-            budget = torch.minimum(budget, by_length)
-        return budget
+        return budget if by_length is None else torch.minimum(budget, by_length)
 
     @property
     def capturable(self) -> bool:  # type: ignore[override]
-        """A static step is device work alone when the schedule (if any) decides on the host before drafting."""
-        return self.inner.capturable and (self.schedule is None or getattr(self.schedule, "plans_on_host", False))
+        return self.inner.capturable
 
     def plan_step(self, batch: RaggedBatch) -> Hashable | None:
-        """The schedule's choice for this step, made on the host before its device work: no row drafts (one
-        graph) or some rows do, each up to its budget, at the fixed width k (the inner proposer's graph)."""
-        if not self.capturable:
-            return None
-        if self.schedule is not None:
-            budgets = self.schedule.host_budgets(batch)  # [B] (host)
-            if self.planned_budgets is None:
-                self.planned_budgets = budgets.to(batch.device)
-            else:
-                self.planned_budgets.copy_(budgets)  # in place: the graphs read it there
-            self.planned_width = self.static.k if bool((budgets > 0).any()) else 0
-            if self.planned_width == 0:
-                return ("plain",)
-        inner = self.inner.plan_step(batch)
-        return None if inner is None else ("draft", inner)
+        return self.inner.plan_step(batch)
 
     def after_step(self, measured: bool = True) -> None:
-        if self.schedule is not None and not measured:
-            self.schedule.discard_timing()
-        if self.planned_width is not None and self.last_num_accepted is not None:
-            self.schedule.observe(self.last_num_draft_tokens, self.last_num_accepted, self.last_draft_keys)
         self.inner.after_step()
 
-    def propose(self, batch: RaggedBatch, max_draft_tokens: torch.Tensor, sampling: StepSampling) -> Proposal:
-        if self.static is not None and (self.schedule is None or self.planned_width is not None):
-            # Fixed shapes, no host sync: every row goes to the inner proposer (budget 0 drafts nothing), width k;
-            # or, when the schedule planned no drafts at all, no row does.
-            if self.planned_width == 0:
-                proposal = Proposal.empty(batch.batch_size, batch.device)
-            else:
-                budget = self.budgets(batch, max_draft_tokens)  # [B]
-                proposal = _clip(self.inner.propose(batch, budget, sampling), budget, width=self.static.k)
-                if proposal.draft_keys is not None and self.planned_width is not None:
-                    self.last_draft_keys = proposal.draft_keys  # the schedule reads them after the step
-            self.last_num_draft_tokens = proposal.num_draft_tokens
-            return proposal
-        budget = self.budgets(batch, max_draft_tokens)  # [B]
+    def propose(
+        self,
+        batch: RaggedBatch,
+        max_draft_tokens: torch.Tensor,  # [B] the loop's budgets
+        sampling: StepSampling,
+        trim: Callable[[Proposal], torch.Tensor] | None = None,
+    ) -> Proposal:
+        """Drafts within each row's budget; `trim` (a schedule's, after drafting) may keep fewer of them."""
+        budget = self.budgets(batch, max_draft_tokens.clone())  # [B]
+        if self.static is not None and trim is None:
+            # Fixed shapes, no host sync: every row goes to the inner proposer (budget 0 drafts nothing), width k.
+            return _clip(self.inner.propose(batch, budget, sampling), budget, width=self.static.k)
         speculating = budget > 0  # [B]
         num_speculating = int(speculating.sum().item()) if batch.batch_size else 0
         if num_speculating == 0:
@@ -168,32 +122,18 @@ class Top1Proposer(Proposer):
             )
         else:
             proposal = self.inner.propose(batch, budget, sampling)
-        if self.schedule is not None:  # a schedule may keep fewer of the drafts it has seen (e.g. by their keys)
-            budget = torch.minimum(budget, self.schedule.trim(proposal))
+        if trim is not None:  # a schedule may keep fewer of the drafts it has seen (e.g. by their keys)
+            budget = torch.minimum(budget, trim(proposal))
         proposal = _clip(proposal, budget)
         if self.static is not None and proposal.draft_token_ids.shape[1]:  # a static verify: width 1 or 1 + k
             proposal = _clip(proposal, budget, width=self.static.k)
-        self.last_num_draft_tokens = proposal.num_draft_tokens
         return proposal
 
     def commit(self, batch: RaggedBatch, num_accepted: torch.Tensor) -> None:
-        if self.schedule is not None and self.last_num_draft_tokens is not None:
-            if self.planned_width is not None:  # a planned step: the schedule reads it after the step (no sync)
-                self.last_num_accepted = num_accepted
-            else:
-                self.schedule.observe(self.last_num_draft_tokens, num_accepted)
         self.inner.commit(batch, num_accepted)
 
     def select_rows(self, keep: torch.Tensor) -> None:
-        if self.schedule is not None:
-            self.schedule.select_rows(keep)
-        self.last_num_draft_tokens = None
         self.inner.select_rows(keep)
-
-    def finish(self) -> None:
-        """Called once after the loop: lets the schedule keep what it learned (HF's persistent "heuristic")."""
-        if self.schedule is not None:
-            self.schedule.finish()
 
     @staticmethod
     def _merge(batch_size: int, rows: torch.Tensor, sub: Proposal) -> Proposal:

@@ -64,17 +64,17 @@ def test_static_long_generation_compacts_in_place_and_stays_exact(monkeypatch):
 @pytest.mark.parametrize("batch_size", [1, 3])
 def test_static_adaptive_planned_steps_match_plain_generate(batch_size, monkeypatch):
     """The default (adaptive) schedule on static caches decides each step on the host before its device work
-    (`Top1Proposer.plan_step`: the key of the step's CUDA graph on a GPU) and learns after it (`after_step`): the
+    (`SpeculativeLoop.plan_step`: the key of the step's CUDA graph on a GPU) and learns after it (`after_step`): the
     same split runs here, uncaptured, and must equal plain decoding with steps that draft and steps that do not."""
-    from hf_specdec.proposers.top1 import Top1Proposer
+    from hf_specdec.decoding import SpeculativeLoop
 
     target = make_model("llama", seed=0)
     draft = make_noisy_copy(target, noise=0.3, seed=4)
     inputs = make_prompts(batch_size, seed=6)
     expected = target.generate(**inputs, max_new_tokens=40, do_sample=False, eos_token_id=None)
     keys: list = []
-    plan_step = Top1Proposer.plan_step
-    monkeypatch.setattr(Top1Proposer, "plan_step", lambda self, batch: keys.append(plan_step(self, batch)) or keys[-1])
+    plan_step = SpeculativeLoop.plan_step
+    monkeypatch.setattr(SpeculativeLoop, "plan_step", lambda self: keys.append(plan_step(self)) or keys[-1])
     spec = hf_specdec.SpecDecoder(draft_model=draft, num_speculative_tokens=4)
     out = spec_generate(target, inputs, spec, max_new_tokens=40, eos_token_id=None, **STATIC)
     assert torch.equal(out, expected)

@@ -156,14 +156,14 @@ def test_static_constant_schedule_matches_plain_generate_through_planned_steps(b
     """Greedy prompt lookup on a static cache with the constant schedule: every step after the prefill is planned
     (`plan_step` names it, so a GPU replays it as one CUDA graph; here it runs the same device step uncaptured), and
     the output equals plain `generate` on left-padded prompts of different lengths, for k = 1 and 4."""
-    from hf_specdec.proposers.top1 import Top1Proposer
+    from hf_specdec.decoding import SpeculativeLoop
 
     target = make_model("llama", seed=0)
     inputs = make_prompts(batch_size, seed=10 + batch_size, min_len=3, max_len=20)
     expected = target.generate(**inputs, max_new_tokens=24, do_sample=False, eos_token_id=None)
     keys: list = []
-    plan_step = Top1Proposer.plan_step
-    monkeypatch.setattr(Top1Proposer, "plan_step", lambda self, batch: keys.append(plan_step(self, batch)) or keys[-1])
+    plan_step = SpeculativeLoop.plan_step
+    monkeypatch.setattr(SpeculativeLoop, "plan_step", lambda self: keys.append(plan_step(self)) or keys[-1])
     for k in (1, 4):
         keys.clear()
         spec = hf_specdec.SpecDecoder(

@@ -154,12 +154,10 @@ def test_draft_cache_catches_up_after_skipped_steps(llama, monkeypatch):
     """The target as its own draft accepts everything only if the draft saw every skipped token in order."""
     import hf_specdec.plan as plan
 
-    def with_skipping_schedule(spec_, model, *args, **kwargs):
-        proposer = build_proposer(spec_, model, *args, **kwargs)
-        proposer.schedule = EveryThirdStep(spec_.num_speculative_tokens)
-        return proposer
+    def skipping_schedule(spec_, *args, **kwargs):
+        return EveryThirdStep(spec_.num_speculative_tokens)
 
-    monkeypatch.setattr(plan, "build_proposer", with_skipping_schedule)
+    monkeypatch.setattr(plan, "build_schedule", skipping_schedule)
     inputs = make_prompts(4, seed=9)
     kwargs = dict(max_new_tokens=30, do_sample=False, eos_token_id=None)
     expected = llama.generate(**inputs, **kwargs)
