@@ -107,9 +107,8 @@ class Proposer(ABC):
         cannot be replayed (it runs uncaptured)."""
         return () if self.capturable else None
 
-    def after_step(self, measured: bool = True) -> None:  # noqa: B027
-        """Called after every step, outside its device work: host-side learning from the step's outcome.
-        `measured=False`: the step took longer than such steps will (a warm-up, a graph capture, a compaction)."""
+    def after_step(self) -> None:  # noqa: B027
+        """Called after every step, outside its device work: host-side learning from the step's outcome."""
 
     def select_rows(self, keep: torch.Tensor) -> None:  # noqa: B027
         """Keep only rows `keep` ([B'] int64 indices into the current batch): the others finished."""

@@ -95,7 +95,7 @@ class Top1Proposer(Proposer):
     def plan_step(self, batch: RaggedBatch) -> Hashable | None:
         return self.inner.plan_step(batch)
 
-    def after_step(self, measured: bool = True) -> None:
+    def after_step(self) -> None:
         self.inner.after_step()
 
     def propose(
