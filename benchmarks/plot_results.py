@@ -3,7 +3,8 @@
 Run: `python benchmarks/plot_results.py docs/results/rejection_h100.json docs/results/e2e_h100.json --out docs`;
 `python benchmarks/plot_results.py --compiled docs/results/compiled_h100_*_captured.json --out docs` for the
 compiled static-cache path (`bench_gpu_compiled.py`); `--default docs/results/default_h100_b1.json ...` for the
-no-flag default (`bench_gpu_default.py`).
+no-flag default (`bench_gpu_default.py`); `--profile docs/results/profile_batched_h100.json` for the batched step
+(`profile_batched_gpu.py`); `--threads docs/results/threads_h100.json` for threads (`bench_threads_gpu.py`).
 """
 
 from __future__ import annotations
@@ -105,12 +106,50 @@ def plot_default(files: list[Path], out: Path) -> None:
     fig.savefig(out / "default_h100.png", dpi=110)
 
 
+def plot_profile(data: dict, out: Path) -> None:
+    """`profile_batched_gpu.py`: tokens/s per batch size, and a captured step's device time by kernel class."""
+    rows = data["rows"]
+    batches = [r["batch"] for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for route, label in (("plain_eager", "plain eager"), ("ours_default", "hf_specdec, no flags"),
+                         ("ours_k4", "hf_specdec, k = 4")):  # fmt: skip
+        left.plot(batches, [r["tps_median"][route] for r in rows], marker="o", label=label)
+    left.set(xscale="log", yscale="log", xlabel="batch", ylabel="tokens/s", title="throughput (captured steps)")
+    left.set_xticks(batches, [str(b) for b in batches])
+    left.legend(fontsize=8)
+    bottom = [0.0] * len(rows)
+    for kind in ("gemm", "attention", "other"):
+        per_step = [r["kernels"]["by_class_us"].get(kind, 0.0) / 1e3 / r["k4"]["steps"] for r in rows]
+        right.bar([str(b) for b in batches], per_step, bottom=bottom, label=kind)
+        bottom = [a + b for a, b in zip(bottom, per_step)]
+    right.set(xlabel="batch", ylabel="device ms per step (k = 4)", title="where a step's device time goes")
+    right.legend(fontsize=8)
+    fig.suptitle("The batched step on an H100 (8B-shaped bf16 Llama, 124M synthetic draft, alpha = 0.8)")
+    fig.tight_layout()
+    fig.savefig(out / "profile_batched_h100.png", dpi=110)
+
+
+def plot_threads(data: dict, out: Path) -> None:
+    """`bench_threads_gpu.py`: tokens/s of the same 24 requests one at a time and from 8 threads, per turn."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, label in (("one_at_a_time", "one at a time"), ("threads", "8 threads")):
+        values = data["tokens_per_s"][key]
+        ax.plot(range(1, len(values) + 1), values, marker="o", label=label)
+    ax.set(xlabel="turn", ylabel="tokens/s", ylim=(0, None),
+           title=f"24 requests, {len(data['errors'])} errors, {data['wrong_outputs']} wrong outputs")  # fmt: skip
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "threads_h100.png", dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("rejection", nargs="?")
     parser.add_argument("e2e", nargs="?")
     parser.add_argument("--compiled", nargs="+", type=Path, default=[])
     parser.add_argument("--default", nargs="+", type=Path, default=[], help="bench_gpu_default.py JSON files")
+    parser.add_argument("--profile", type=Path, help="profile_batched_gpu.py JSON file")
+    parser.add_argument("--threads", type=Path, help="bench_threads_gpu.py JSON file")
     parser.add_argument("--out", default="docs")
     args = parser.parse_args()
     out = Path(args.out)
@@ -122,6 +161,10 @@ def main() -> None:
         plot_compiled(args.compiled, out)
     if args.default:
         plot_default(args.default, out)
+    if args.profile:
+        plot_profile(json.loads(args.profile.read_text()), out)
+    if args.threads:
+        plot_threads(json.loads(args.threads.read_text()), out)
 
 
 if __name__ == "__main__":
