@@ -28,8 +28,8 @@ import hf_specdec
 from benchmarks import bench_gpu_e2e as e2e
 from hf_specdec import adaptive
 from hf_specdec.batch import RaggedBatch
-from hf_specdec.decoding import StaticPlan
 from hf_specdec.cache_route import CAPTURE_ENV
+from hf_specdec.decoding import StaticPlan
 from hf_specdec.static_cache import StaticCacheView
 
 STATIC = dict(cache_implementation="static")

@@ -100,9 +100,18 @@ def main() -> None:
     tokens = sum(b for _, b in requests()) * n_new
     kept = graph_reuse._ENTRIES.get(target, [])
     result = dict(
-        meta=dict(gpu=e2e.device_name(), torch=torch.__version__, transformers=transformers.__version__,
-                  python=platform.python_version(), command=" ".join(sys.argv), clients=CLIENTS, calls=CALLS,
-                  batches=BATCHES, new_tokens=n_new, alpha=args.alpha),  # fmt: skip
+        meta=dict(
+            gpu=e2e.device_name(),
+            torch=torch.__version__,
+            transformers=transformers.__version__,
+            python=platform.python_version(),
+            command=" ".join(sys.argv),
+            clients=CLIENTS,
+            calls=CALLS,
+            batches=BATCHES,
+            new_tokens=n_new,
+            alpha=args.alpha,
+        ),  # fmt: skip
         alone_equals_plain=alone_equals_plain,
         alone_graph_replays=replays,
         calls=2 * args.turns * len(requests()),

@@ -12,15 +12,18 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from transformers import GenerationConfig, PreTrainedModel
 
 from hf_specdec import compat
 from hf_specdec.recurrent import is_hybrid
 from hf_specdec.static_cache import StaticPlan
+
+if TYPE_CHECKING:
+    from hf_specdec.config import SpecDecoder
 
 logger = logging.getLogger("hf_specdec")
 

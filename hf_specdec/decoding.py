@@ -235,7 +235,10 @@ class SpeculativeLoop:
         """Whether a step's device work can be one CUDA graph: fixed shapes, no host read, no host output."""
         hybrid = self.static is not None and self.static.hybrid
         plans = self.budgets.plans_on_host
-        return capture_blocker(self.sampling, self.stop_rules, self.exact, self.proposer, plans, host_outputs, hybrid) is None
+        return (
+            capture_blocker(self.sampling, self.stop_rules, self.exact, self.proposer, plans, host_outputs, hybrid)
+            is None
+        )
 
     def step(self) -> None:
         if self.step_graph is not None and self.prefilled:  # host decisions first, then the device work

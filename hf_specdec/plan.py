@@ -44,7 +44,6 @@ from hf_specdec.stopping import StopRules
 Route = Literal["dynamic", "static", "hybrid", "encoder_decoder"]
 
 
-
 @dataclass(frozen=True)
 class CallPlan:
     """One `generate` call, checked and resolved: what the loop runs and how its outputs are laid out."""

@@ -2,10 +2,10 @@
 
 Rows that would run past the draft's position limit (or a user `max_draft_len`), rows whose budget from the loop
 (its room and its schedule: `hf_specdec.draft_budgets`) is 0, and rows for which the inner proposer finds nothing
-get 0 drafts and simply decode one token through the same batched target forward. The inner proposer runs only for the rows that may
-speculate (a sub-batch for stateless proposers on dynamic caches, zero budgets otherwise), and its result is
-merged back with `-1` ids and zero probabilities. `build_proposer` always wraps its proposer in one, so this is
-the single place where per-row draft budgets are decided.
+get 0 drafts and simply decode one token through the same batched target forward. The inner proposer runs only
+for the rows that may speculate (a sub-batch for stateless proposers on dynamic caches, zero budgets otherwise),
+and its result is merged back with `-1` ids and zero probabilities. `build_proposer` always wraps its proposer in
+one, so every proposer's drafts pass the same limits.
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ from conftest import EOS_ID, PAD_ID, VOCAB, make_noisy_copy, make_prompts, spec_
 from transformers import BloomConfig, BloomForCausalLM, FalconConfig, FalconForCausalLM, MptConfig, MptForCausalLM
 
 import hf_specdec
-from hf_specdec import cache_route
 from hf_specdec import cache as cache_module
+from hf_specdec import cache_route
 from hf_specdec.model_support import alibi_from_columns, alibi_from_mask
 
 NEW_TOKENS = 48

@@ -53,6 +53,7 @@ def test_reuse_is_off_unless_asked_for(monkeypatch):
 
 def test_an_entry_serves_one_call_at_a_time_and_only_its_signature(monkeypatch):
     monkeypatch.setenv(graph_reuse.REUSE_ENV, "1")
+
     class Model:
         pass
 
