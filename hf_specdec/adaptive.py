@@ -495,7 +495,7 @@ class AdaptiveSchedule(SpeculationSchedule):
         self, num_draft_tokens: torch.Tensor, num_accepted: torch.Tensor, draft_keys: torch.Tensor | None = None
     ) -> None:
         if draft_keys is not None:  # a planned step's drafts came with keys after the choice (static prompt lookup)
-            self.keys = draft_keys.cpu()
+            self.keys = draft_keys.to("cpu", copy=True)  # a host copy, also on the CPU (the step rewrites its own)
         drafted, accepted = num_draft_tokens.cpu(), num_accepted.cpu()
         self.stats.record(self.keys, drafted, accepted)
         self.row_accepted *= self.row_decay

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from transformers import GenerationConfig, PreTrainedModel
 
-from hf_specdec import compat
+from hf_specdec import compat, step_graph
 from hf_specdec.recurrent import is_hybrid
 from hf_specdec.static_cache import StaticPlan
 
@@ -174,7 +174,7 @@ def static_plan(
     plan.hybrid = any(m is not None and is_hybrid(m) for m in (model, spec.draft_model))
     plan.can_capture = (
         not plan.hybrid
-        and model.device.type == "cuda"
+        and model.device.type == step_graph.GRAPHS.device_type
         and spec.method != "mtp"
         and os.environ.get(CAPTURE_ENV, "1") != "0"
     )

@@ -349,6 +349,8 @@ class SpeculativeLoop:
             is_greedy,
             uniforms,
             exponentials,
+            check_values=False,  # the counts are in 0..k by construction, and greediness is known on the host:
+            all_greedy=not self.sampling.do_sample,  # no host read in the step
         )
         return output_ids.masked_fill(self.frozen[:, None], -1)  # frozen rows emit nothing
 

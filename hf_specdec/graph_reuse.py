@@ -67,7 +67,7 @@ def owners_by_path(root: object) -> dict[str, object]:
             return
         if not type(value).__module__.startswith("hf_specdec") or id(value) in seen or not hasattr(value, "__dict__"):
             return
-        if getattr(value, "not_step_state", False):
+        if getattr(value, "not_step_state", False) or getattr(value, "host_only", False):
             return
         seen.add(id(value))
         found[path] = value

@@ -23,6 +23,10 @@ __all__ = ["ConfidenceThreshold", "HeuristicSchedule", "SpeculationSchedule"]
 class SpeculationSchedule:
     """Base class: every row may draft `max_k` tokens every step (HF's "constant" schedule)."""
 
+    #: a schedule decides on the host: no captured graph reads its tensors (`graph_reuse` leaves them out, also on
+    #: the CPU, where host and device tensors look alike)
+    host_only = True
+
     def __init__(self, max_k: int) -> None:
         self.max_k = int(max_k)
 

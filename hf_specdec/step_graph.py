@@ -63,6 +63,28 @@ def _attributes(owners: list[object], kind: type | tuple[type, ...]) -> Iterator
                 yield owner, name, value
 
 
+class CudaGraphs:
+    """How steps are captured and replayed: `torch.cuda.CUDAGraph` on the current CUDA stream. (The CPU tests put
+    an emulation with the same semantics in `GRAPHS`: tests/emulated_graphs.py.)"""
+
+    device_type = "cuda"
+
+    @staticmethod
+    def new() -> torch.cuda.CUDAGraph:
+        return torch.cuda.CUDAGraph()
+
+    @staticmethod
+    @contextlib.contextmanager
+    def capture(graph: torch.cuda.CUDAGraph) -> Iterator[None]:
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            yield
+
+
+#: The graph implementation steps are captured with (its `device_type`: where the static route may capture).
+GRAPHS: type = CudaGraphs
+
+
 @contextlib.contextmanager
 def _no_garbage_collection() -> Iterator[None]:
     """The garbage collector off during a capture: a collection could destroy another call's graph mid-capture
@@ -89,7 +111,7 @@ class UncapturableStep(RuntimeError):
 
 @dataclass
 class _Captured:
-    graph: torch.cuda.CUDAGraph
+    graph: torch.cuda.CUDAGraph  # or what `GRAPHS` makes
     host_deltas: list[tuple[object, str, int]]  # (owner, attribute, change per replay)
     delta_paths: list[tuple[str, str, int]]  # the same by owner path (`graph_reuse`: for a later call's owners)
 
@@ -147,15 +169,17 @@ class StepGraph:
             return
         captured = self.graphs.get(key)
         self.steady = captured is not None
+        if captured is None and self.eager_steps.get(key, 0) < WARMUP_STEPS:
+            self._eager(key)
+            return
+        # Host work since the last step (a catch-up forward) may have replaced a state tensor: put it home first,
+        # also before a capture, which must read the homes that the graphs captured before it read and write.
+        self._rehome()
         if captured is None:
-            if self.eager_steps.get(key, 0) < WARMUP_STEPS:
-                self._eager(key)
-                return
             captured = self._capture(key)
             if captured is None:  # refused: steps with this key run eagerly
                 self._eager(key)
                 return
-        self._rehome()  # host work since the last step (a catch-up forward) may have replaced a state tensor
         captured.graph.replay()
         self.replays += 1
         for owner, name, delta in captured.host_deltas:
@@ -226,14 +250,12 @@ class StepGraph:
         owners = state_owners(self.root)
         tensors_before = [(o, n, t) for o, n, t in _attributes(owners, torch.Tensor)]
         hosts_before = {(id(o), n): (o, v) for o, n, v in _attributes(owners, (int, float, bool, type(None)))}
-        graph = torch.cuda.CUDAGraph()
+        graph = GRAPHS.new()
         try:
             # One capture at a time; other threads' work goes on meanwhile and stays out of the graph (`locks`).
-            with CAPTURE_LOCK, _no_garbage_collection():
-                torch.cuda.synchronize()
-                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                    self.step()
-                    rebinds = self._copy_back(tensors_before)
+            with CAPTURE_LOCK, _no_garbage_collection(), GRAPHS.capture(graph):
+                self.step()
+                rebinds = self._copy_back(tensors_before)
             host_deltas = self._host_deltas(owners, hosts_before)
         except Exception as error:  # noqa: BLE001 - any refusal by CUDA graphs means: run these steps eagerly
             self._restore(tensors_before, hosts_before)

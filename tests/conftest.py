@@ -459,3 +459,13 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def emulated_graphs(monkeypatch):
+    """Captured static steps on the CPU: `hf_specdec.step_graph.GRAPHS` emulates CUDA graphs (emulated_graphs.py)."""
+    from emulated_graphs import EmulatedGraphs
+
+    from hf_specdec import step_graph
+
+    monkeypatch.setattr(step_graph, "GRAPHS", EmulatedGraphs)

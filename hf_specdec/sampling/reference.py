@@ -25,6 +25,7 @@ def _validate(
     uniforms: torch.Tensor,
     exponentials: torch.Tensor,
     temperature: torch.Tensor | None,
+    check_values: bool = True,
 ) -> None:
     """Raise a ValueError naming the first input whose type, shape, dtype or values break the contract."""
     if not isinstance(target_logits, torch.Tensor) or target_logits.dim() != 3 or not target_logits.is_floating_point():
@@ -60,7 +61,7 @@ def _validate(
     check("exponentials", exponentials, (B, V), "float", "[B, V], e.g. random.exponential(seeds, step, 1, V)")
     if temperature is not None:
         check("temperature", temperature, (B,), "float", "[B], or None when already applied to the logits")
-    if B > 0 and bool(((num_draft_tokens < 0) | (num_draft_tokens > k)).any()):
+    if check_values and B > 0 and bool(((num_draft_tokens < 0) | (num_draft_tokens > k)).any()):
         bad = num_draft_tokens[(num_draft_tokens < 0) | (num_draft_tokens > k)]
         raise ValueError(f"`num_draft_tokens` values must be in 0..k = 0..{k}, got {bad.tolist()[:8]}.")
 
@@ -74,6 +75,8 @@ def rejection_sample_reference(
     uniforms: torch.Tensor,  # [B, k]
     exponentials: torch.Tensor,  # [B, V]
     temperature: torch.Tensor | None = None,  # [B]
+    check_values: bool = True,
+    all_greedy: bool | None = None,
 ) -> torch.Tensor:  # [B, k+1]
     """
     Verifies a batch of drafts against the target and returns the emitted tokens (torch reference implementation).
@@ -101,12 +104,25 @@ def rejection_sample_reference(
             Exp(1) draws (> 0) for the recovered or bonus token, see `hf_specdec.sampling.random.exponential`.
         temperature (`torch.Tensor` of shape `(B,)`, *optional*):
             When given, `p = softmax(target_logits / temperature)`; ignored by greedy rows.
+        check_values (`bool`, *optional*, defaults to True):
+            Also check that every `num_draft_tokens` is in 0..k (a host read of the device: the decoding loop, whose
+            counts are in range by construction and whose steps may be captured as CUDA graphs, skips it).
+        all_greedy (`bool`, *optional*):
+            Whether every row is greedy, when the caller knows it on the host; None reads `is_greedy` (a host read).
 
     Returns:
         `torch.Tensor` of shape `(B, k+1)`, int64: the accepted drafts, then one recovered or bonus token, then -1.
     """
     _validate(
-        target_logits, draft_token_ids, num_draft_tokens, draft_probs, is_greedy, uniforms, exponentials, temperature
+        target_logits,
+        draft_token_ids,
+        num_draft_tokens,
+        draft_probs,
+        is_greedy,
+        uniforms,
+        exponentials,
+        temperature,
+        check_values,
     )
     B, k1, V = target_logits.shape
     k = k1 - 1
@@ -114,7 +130,7 @@ def rejection_sample_reference(
 
     logits = target_logits.float()  # [B, k+1, V]
     target_argmax = logits.argmax(dim=-1)  # [B, k+1] greedy targets: first maximal id on ties
-    if B > 0 and bool(is_greedy.all()):
+    if B > 0 and (bool(is_greedy.all()) if all_greedy is None else all_greedy):
         return _greedy_only(draft_token_ids, num_draft_tokens, target_argmax)
     if temperature is not None:
         # Greedy rows may carry temperature 0: divide them by 1 instead (their probabilities are never used).

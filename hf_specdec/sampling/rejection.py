@@ -73,8 +73,12 @@ def rejection_sample(
     uniforms: torch.Tensor,  # [B, k]
     exponentials: torch.Tensor,  # [B, V]
     temperature: torch.Tensor | None = None,  # [B]
+    check_values: bool = True,
+    all_greedy: bool | None = None,
 ) -> torch.Tensor:  # [B, k+1]
-    """Run the rejection sampler on the best backend for these tensors (see the module docstring)."""
+    """Run the rejection sampler on the best backend for these tensors (see the module docstring). The torch
+    sampler reads the device on the host unless told: `check_values=False` skips its check of the draft counts,
+    `all_greedy` says whether every row is greedy (the Triton sampler reads nothing)."""
     args = (target_logits, draft_token_ids, num_draft_tokens, draft_probs, is_greedy, uniforms, exponentials)
     forced = os.environ.get(SAMPLER_ENV, "").strip().lower()
     if forced not in ("", *SAMPLERS):
@@ -89,4 +93,4 @@ def rejection_sample(
         from hf_specdec.sampling.kernels import rejection_sample_triton  # imports triton: only when used
 
         return rejection_sample_triton(*args, temperature)
-    return rejection_sample_reference(*args, temperature)
+    return rejection_sample_reference(*args, temperature, check_values=check_values, all_greedy=all_greedy)

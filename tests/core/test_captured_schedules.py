@@ -1,0 +1,90 @@
+"""Captured steps under schedules that mix step kinds, with CUDA-graph semantics emulated on the CPU
+(tests/emulated_graphs.py): plain and drafting steps in any order, a draft that catches up between them, and later
+calls that adopt a finished call's graphs (`graph_reuse`) must all give plain `generate`'s tokens.
+
+These found a bug an H100 run had shown only as a device-side index assert: a step kind captured after a catch-up
+forward read the tensor the catch-up had made, not the one the graphs captured before it write."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_model, make_noisy_copy, make_prompts, spec_generate
+
+import hf_specdec
+from hf_specdec import graph_reuse, plan, step_graph
+from hf_specdec.schedules import SpeculationSchedule
+
+#: which steps draft (step numbers from 1), one pattern per call
+PATTERNS = {
+    "never": lambda n: False,
+    "every third": lambda n: n % 3 == 0,
+    "always": lambda n: True,
+    "every other": lambda n: n % 2 == 0,
+    "after five": lambda n: n > 5,
+    "first three": lambda n: n < 4,
+    "four in five": lambda n: n % 5 != 0,
+}
+
+
+class Pattern(SpeculationSchedule):
+    """Plans each step on the host like the adaptive schedule, from a fixed pattern: all rows draft k, or none."""
+
+    plans_on_host = True
+    queue: list = []
+
+    def start(self, batch_size: int, device: torch.device) -> None:
+        self.drafts, self.step, self.batch_size = self.queue.pop(0), 0, batch_size
+
+    def host_budgets(self, batch) -> torch.Tensor:  # noqa: ANN001
+        self.step += 1
+        return torch.full((self.batch_size,), self.max_k if self.drafts(self.step) else 0)
+
+
+@pytest.fixture
+def patterned(monkeypatch, emulated_graphs):
+    monkeypatch.setattr(plan, "build_schedule", lambda spec, *args, **kwargs: Pattern(spec.num_speculative_tokens))
+    Pattern.queue = []
+    return Pattern.queue
+
+
+def _setup(method: str):
+    target = make_model("llama", seed=0)
+    drafting = (
+        dict(draft_model=make_noisy_copy(target, noise=0.3, seed=4)) if method == "draft" else dict(method="ngram")
+    )
+    spec = hf_specdec.SpecDecoder(**drafting, num_speculative_tokens=3)
+    inputs = {b: make_prompts(b, seed=b, min_len=8, max_len=8) for b in (1, 3)}  # one width: one signature per b
+    return target, spec, inputs
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+@pytest.mark.parametrize("pattern", sorted(PATTERNS))
+def test_one_call_with_mixed_step_kinds_equals_plain(patterned, method, pattern):
+    target, spec, inputs = _setup(method)
+    gen = dict(max_new_tokens=40, do_sample=False, eos_token_id=None)
+    for b, prompt in inputs.items():
+        patterned.append(PATTERNS[pattern])
+        out = spec_generate(target, prompt, spec, **gen, cache_implementation="static")
+        assert torch.equal(out, target.generate(**prompt, **gen)), (pattern, b)
+        assert spec.last_stats.num_graph_replays > 0
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_calls_that_adopt_graphs_kept_from_other_calls_equal_plain(patterned, monkeypatch, method):
+    """Each call adopts the graphs the previous call of its batch size kept, with step kinds first captured by
+    different calls (the run that failed on an H100 with the adaptive schedule)."""
+    monkeypatch.setenv(graph_reuse.REUSE_ENV, "1")
+    target, spec, inputs = _setup(method)
+    gen = dict(max_new_tokens=40, do_sample=False, eos_token_id=None)
+    plain = {b: target.generate(**prompt, **gen) for b, prompt in inputs.items()}
+    adopted = []
+    reuse = step_graph.StepGraph._reuse
+    monkeypatch.setattr(step_graph.StepGraph, "_reuse", lambda self: (reuse(self), adopted.append(self.entry is not None)))  # fmt: skip
+    for name in ["never", "every third", "always", "every other", "after five", "first three", "four in five"] * 2:
+        for b, prompt in inputs.items():
+            patterned.append(PATTERNS[name])
+            out = spec_generate(target, prompt, spec, **gen, cache_implementation="static")
+            assert torch.equal(out, plain[b]), (name, b)
+    assert adopted[:2] == [False, False] and all(adopted[2:])
+    graph_reuse.clear(target)
