@@ -10,7 +10,9 @@ only after changing Python attributes that its forward reads).
 
 Reuse is **off unless `HF_SPECDEC_REUSE_GRAPHS=1`**: on an H100, a call that adopted graphs kept by two earlier calls
 (step kinds captured in different calls, as the adaptive schedule makes them) hit a device-side index assert in a
-replay, in some runs and not others. The cause is not found yet; the constant schedule's reuse passed every GPU run.
+replay. The CPU emulation of CUDA graphs (tests/emulated_graphs.py) reproduced it and found the cause, a step kind
+captured after a catch-up forward without its state put home first (fixed in `step_graph.StepGraph.run`); reuse
+stays off until a GPU run confirms it.
 """
 
 from __future__ import annotations

@@ -9,7 +9,9 @@ Three things may not overlap:
   "thread_local" mode (other threads' work is legal and stays out of the graph) and one at a time (`CAPTURE_LOCK`).
 - **torch.compile compiling a forward** (dynamo is not thread-safe).
 - **two calls on captured steps on one model.** With the two rules above, 8 threads x 3 calls on an H100 still hit
-  a device-side index assert in some runs (the cause is not found); the same calls one at a time never did.
+  a device-side index assert in some runs; the same calls one at a time never did. (A likely cause, a step kind
+  captured after a catch-up forward without its state put home, was found later on the CPU and fixed; the lock
+  stays until a GPU run shows that threads no longer need it.)
 
 So a call on the static path of a GPU — captured steps, compiled forwards or both — holds its target model's lock
 from building its loop (its static caches) to destroying its graphs (`model_call_lock`): such calls run one at a

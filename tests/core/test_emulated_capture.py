@@ -65,3 +65,25 @@ def test_seeded_sampling_is_the_same_captured(emulated_graphs, monkeypatch):
     uncaptured, none = run()
     assert replays > 0 and none == 0
     assert torch.equal(captured, uncaptured)
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_captured_steps_with_stops_and_compactions_equal_plain(emulated_graphs, monkeypatch, method):
+    """Rows that stop at EOS at different steps (frozen in the batch), and a cache so short that lagging rows make
+    it compact (those steps run eagerly, the next ones replay): still plain's tokens."""
+    from hf_specdec import cache_route
+
+    monkeypatch.setattr(cache_route, "STATIC_LENGTH_BUCKET", 1)
+    monkeypatch.setattr(cache_route, "STATIC_HOLE_ROOM", 8)
+    target = make_model("llama", seed=0)
+    drafting = dict(draft_model=make_noisy_copy(target, noise=0.05, seed=4)) if method == "draft" else dict(method="ngram")
+    inputs = make_prompts(6, seed=31, min_len=2, max_len=20)
+    for eos in (None, 7):
+        gen = dict(max_new_tokens=48, do_sample=False, eos_token_id=eos, pad_token_id=0)
+        expected = target.generate(**inputs, **gen)
+        spec = hf_specdec.SpecDecoder(**drafting, num_speculative_tokens=4, num_speculative_tokens_schedule="constant")
+        out = spec_generate(target, inputs, spec, **gen, cache_implementation="static")
+        assert torch.equal(out, expected), eos
+        assert spec.last_stats.num_graph_replays > 0
+    if method == "draft":  # rows accept different numbers of drafts: holes, then compactions
+        assert spec.last_stats.num_compactions > 0
