@@ -76,7 +76,9 @@ def test_captured_steps_with_stops_and_compactions_equal_plain(emulated_graphs, 
     monkeypatch.setattr(cache_route, "STATIC_LENGTH_BUCKET", 1)
     monkeypatch.setattr(cache_route, "STATIC_HOLE_ROOM", 8)
     target = make_model("llama", seed=0)
-    drafting = dict(draft_model=make_noisy_copy(target, noise=0.05, seed=4)) if method == "draft" else dict(method="ngram")
+    drafting = (
+        dict(draft_model=make_noisy_copy(target, noise=0.05, seed=4)) if method == "draft" else dict(method="ngram")
+    )
     inputs = make_prompts(6, seed=31, min_len=2, max_len=20)
     for eos in (None, 7):
         gen = dict(max_new_tokens=48, do_sample=False, eos_token_id=eos, pad_token_id=0)
