@@ -1,11 +1,11 @@
 """Per-row draft-length schedules and HF's assistant knobs, with transformers' meaning.
 
 A `SpeculationSchedule` gives each row its draft budget for the next step and learns from what the target
-accepted; the loop asks it and tells it (`hf_specdec.draft_budgets.DraftBudgets`). `HeuristicSchedule` is HF's `num_assistant_tokens_schedule="heuristic"`
-(+2 after a fully accepted step, -1 otherwise, per row) and `"heuristic_transient"`; `ConfidenceThreshold`
-is HF's `assistant_confidence_threshold` (a row stops drafting after a draft token whose probability is below
-it; the threshold is re-fit to the accept/reject history like HF's ROC rule). The cost-model schedule lives
-in `hf_specdec.adaptive`.
+accepted; the loop asks it and tells it (`hf_specdec.draft_budgets.DraftBudgets`). `HeuristicSchedule` is HF's
+`num_assistant_tokens_schedule="heuristic"` (+2 after a fully accepted step, -1 otherwise, per row) and
+`"heuristic_transient"`; `ConfidenceThreshold` is HF's `assistant_confidence_threshold` (a row stops drafting after
+a draft token whose probability is below it; the threshold is re-fit to the accept/reject history like HF's ROC
+rule). The cost-model schedule lives in `hf_specdec.adaptive`.
 """
 
 from __future__ import annotations

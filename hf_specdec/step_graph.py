@@ -127,9 +127,6 @@ class StepGraph:
     #: model shares (the adaptive schedule's memory) carry the same flag: the step never changes them, and other
     #: threads' calls do, also while this one captures.
     not_step_state = True
-    #: tests on the CPU: keep and adopt a call's state though nothing was captured (its steps then run eagerly on
-    #: the adopted tensors, which must give the same tokens)
-    keep_uncaptured = False
 
     def __init__(
         self,
@@ -161,7 +158,7 @@ class StepGraph:
 
     def run(self, key: Hashable | None, fits: bool) -> None:
         """One step: replayed when its key's graph is captured and `fits` (no cache needs compacting), else eager."""
-        if not self.reuse_tried and key is not None and (self.capture or self.keep_uncaptured):
+        if not self.reuse_tried and key is not None and self.capture:
             self._reuse()
         if key is None or not self.capture or key in self.refused or not fits:
             self._eager(key)
@@ -211,7 +208,7 @@ class StepGraph:
             not graph_reuse.enabled()
             or self.signature is None
             or self.model is None
-            or not (self.graphs or self.keep_uncaptured)
+            or not self.graphs
         ):
             self.graphs.clear()
             self.rebinds.clear()

@@ -75,17 +75,15 @@ def test_an_entry_serves_one_call_at_a_time_and_only_its_signature(monkeypatch):
 
 
 @pytest.mark.parametrize("method", ["draft", "ngram"])
-def test_calls_that_adopt_a_kept_calls_state_give_plain_output(monkeypatch, method):
-    """Static calls with equal signatures: each later one adopts the state its predecessor left (on the CPU its steps
-    then run eagerly on the adopted tensors and caches, which a GPU's kept graphs read) and gives plain's tokens;
-    a call of another batch size does not adopt it."""
+def test_calls_that_adopt_a_kept_calls_state_give_plain_output(monkeypatch, emulated_graphs, method):
+    """Static calls with equal signatures: each later one adopts the graphs and the state its predecessor left
+    (CUDA graphs emulated on the CPU) and gives plain's tokens; a call of another batch size does not adopt them."""
     from conftest import make_model, make_noisy_copy, make_prompts, spec_generate
 
     import hf_specdec
     from hf_specdec.step_graph import StepGraph
 
     monkeypatch.setenv(graph_reuse.REUSE_ENV, "1")
-    monkeypatch.setattr(StepGraph, "keep_uncaptured", True)
     adopted = []
     reuse = StepGraph._reuse
     monkeypatch.setattr(StepGraph, "_reuse", lambda self: (reuse(self), adopted.append(self.entry is not None)))
