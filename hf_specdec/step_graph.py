@@ -204,12 +204,7 @@ class StepGraph:
         """The call ends: keep its graphs (and the state they read) for a later call with the same signature, or
         destroy them now (the loop and its StepGraph refer to each other: left to the garbage collector, the graphs
         would be destroyed at any later time, also while another thread captures, which CUDA refuses)."""
-        if (
-            not graph_reuse.enabled()
-            or self.signature is None
-            or self.model is None
-            or not self.graphs
-        ):
+        if not graph_reuse.enabled() or self.signature is None or self.model is None or not self.graphs:
             self.graphs.clear()
             self.rebinds.clear()
             return
