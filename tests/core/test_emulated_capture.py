@@ -48,13 +48,18 @@ def test_captured_steps_equal_plain(emulated_graphs, method, schedule, batch_siz
     assert spec.last_stats.num_graph_replays > 0
 
 
-def test_seeded_sampling_is_the_same_captured(emulated_graphs, monkeypatch):
-    """The draws are keyed by a device step counter: a captured call draws exactly what an uncaptured one does."""
+@pytest.mark.parametrize(
+    "processors",
+    [dict(temperature=0.8, top_p=0.9), dict(top_k=5), dict(min_p=0.1), dict(typical_p=0.9, temperature=1.3)],
+    ids=["temperature-top_p", "top_k", "min_p", "typical_p"],
+)
+def test_seeded_sampling_is_the_same_captured(emulated_graphs, monkeypatch, processors):
+    """The draws are keyed by a device step counter and the processors run in the graph: a captured call draws
+    exactly what an uncaptured one does (whose law the chi-square tests check)."""
     target = make_model("llama", seed=0)
     draft = make_noisy_copy(target, noise=0.3, seed=4)
     inputs = make_prompts(3, seed=7)
-    gen = dict(max_new_tokens=24, do_sample=True, temperature=0.8, top_p=0.9, eos_token_id=None,
-               cache_implementation="static")  # fmt: skip
+    gen = dict(max_new_tokens=24, do_sample=True, eos_token_id=None, cache_implementation="static", **processors)
 
     def run() -> tuple[torch.Tensor, int]:
         spec = hf_specdec.SpecDecoder(draft_model=draft, num_speculative_tokens=3, seed=11)
