@@ -441,9 +441,9 @@ def record_proposals(monkeypatch: pytest.MonkeyPatch, proposer_class: type) -> l
     steps = []
     propose = proposer_class.propose
 
-    def recording(proposer, batch, max_draft_tokens, sampling):  # noqa: ANN001, ANN202
+    def recording(proposer, batch, max_draft_tokens, sampling, width=None):  # noqa: ANN001, ANN202
         rows = batch.token_ids.clone()
-        proposal = propose(proposer, batch, max_draft_tokens, sampling)
+        proposal = propose(proposer, batch, max_draft_tokens, sampling, width)
         steps.append((rows, batch.lengths.clone(), batch.pad_lengths.clone(), proposal.draft_token_ids))
         return proposal
 

@@ -42,6 +42,14 @@ class Proposal:
         )
 
 
+def widest(max_draft_tokens: torch.Tensor, width: int | None) -> int:
+    """The most drafts any row may have this step: `width` when the caller read it with its own host read of the
+    budgets (`Top1Proposer`), else one read of the device here."""
+    if width is not None:
+        return width
+    return int(max_draft_tokens.max().item()) if max_draft_tokens.numel() else 0
+
+
 class Proposer(ABC):
     """Base class of all proposers. Subclasses keep whatever per-row state they need."""
 
@@ -91,8 +99,10 @@ class Proposer(ABC):
         batch: RaggedBatch,
         max_draft_tokens: torch.Tensor,  # [B] int64, 0..k: row i may draft at most this many
         sampling: StepSampling,
+        width: int | None = None,
     ) -> Proposal:
-        """Return up to max_draft_tokens[i] drafts for each row i of the batch."""
+        """Return up to max_draft_tokens[i] drafts for each row i of the batch. `width`: the largest of them, when
+        the caller has read it on the host already (`widest`)."""
 
     def commit(self, batch: RaggedBatch, num_accepted: torch.Tensor) -> None:  # noqa: B027
         """Called after the step was committed (batch.lengths already include the new tokens).

@@ -128,7 +128,9 @@ class CrossTokenizerProposer(Proposer):
             self.draft_lengths[i] = len(ids)
         self.view.rollback(keep)
 
-    def propose(self, batch: RaggedBatch, max_draft_tokens: torch.Tensor, sampling: StepSampling) -> Proposal:
+    def propose(
+        self, batch: RaggedBatch, max_draft_tokens: torch.Tensor, sampling: StepSampling, width: int | None = None
+    ) -> Proposal:
         assert self.view is not None, "prefill() must run before propose()"
         budget = max_draft_tokens.clone()  # [B] target drafts per row
         rows = budget.nonzero().squeeze(1).tolist()

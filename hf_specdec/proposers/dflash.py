@@ -131,7 +131,9 @@ class DFlashProposer(TargetStateDrafter):
         self.pending = []
         self.seen_forwards = self.capture.count
 
-    def propose(self, batch: RaggedBatch, max_draft_tokens: torch.Tensor, sampling: StepSampling) -> Proposal:
+    def propose(
+        self, batch: RaggedBatch, max_draft_tokens: torch.Tensor, sampling: StepSampling, width: int | None = None
+    ) -> Proposal:
         assert self.view is not None, "prefill() must run before propose()"
         budget = max_draft_tokens.clamp(max=self.block_size - 1)  # [B]
         # One forward drafts the whole block whatever the budgets: draw the widest budget there can be (rows past

@@ -20,7 +20,7 @@ from transformers import PreTrainedModel
 from hf_specdec.batch import RaggedBatch
 from hf_specdec.cache import CacheView
 from hf_specdec.proposers import ProposerContext, register
-from hf_specdec.proposers.base import Proposal, Proposer
+from hf_specdec.proposers.base import Proposal, Proposer, widest
 from hf_specdec.sampling import random as row_random
 from hf_specdec.sampling.processors import StepSampling
 from hf_specdec.static_cache import StaticCacheView
@@ -113,13 +113,15 @@ class DraftModelProposer(Proposer):
         if batch.prompt_width > 1 and int(num_new.max().item()) > 0:
             self.view.forward(batch.token_ids, num_new, logits_to_keep=1)
 
-    def propose(self, batch: RaggedBatch, max_draft_tokens: torch.Tensor, sampling: StepSampling) -> Proposal:
+    def propose(
+        self, batch: RaggedBatch, max_draft_tokens: torch.Tensor, sampling: StepSampling, width: int | None = None
+    ) -> Proposal:
         assert self.view is not None, "prefill() must run before propose()"
         static = self.static is not None
         if static:  # fixed shapes: k forwards, the first 2 slots wide (catch-up), the others 1 (no host sync)
             k = self.num_speculative_tokens
         else:
-            k = int(max_draft_tokens.max().item()) if batch.batch_size else 0
+            k = widest(max_draft_tokens, width)
         if k == 0:
             return Proposal.empty(batch.batch_size, batch.device)
         self.proposed = True

@@ -19,7 +19,7 @@ from transformers import PreTrainedModel
 from hf_specdec.batch import RaggedBatch
 from hf_specdec.cache import CacheView
 from hf_specdec.proposers import ProposerContext, register
-from hf_specdec.proposers.base import Proposal
+from hf_specdec.proposers.base import Proposal, widest
 from hf_specdec.proposers.eagle3_head import Eagle3Head, is_eagle3_head
 from hf_specdec.proposers.mtp import _draw
 from hf_specdec.proposers.target_states import TargetStateDrafter, VerifyCapture
@@ -85,9 +85,11 @@ class Eagle3Proposer(TargetStateDrafter):
         self.pending = []
         self.seen_forwards = self.capture.count
 
-    def propose(self, batch: RaggedBatch, max_draft_tokens: torch.Tensor, sampling: StepSampling) -> Proposal:
+    def propose(
+        self, batch: RaggedBatch, max_draft_tokens: torch.Tensor, sampling: StepSampling, width: int | None = None
+    ) -> Proposal:
         assert self.view is not None, "prefill() must run before propose()"
-        k = int(max_draft_tokens.max().item()) if batch.batch_size else 0  # head forwards this step
+        k = widest(max_draft_tokens, width)  # head forwards this step
         if k == 0 or not self.pending:  # step 0: the first draft needs the prefill's states
             return Proposal.empty(batch.batch_size, batch.device)
         hidden = torch.cat([states for states, _ in self.pending], dim=1)  # [B, c, H]

@@ -20,7 +20,7 @@ from hf_specdec import compat
 from hf_specdec.batch import RaggedBatch
 from hf_specdec.model_support import check_attention_implementation
 from hf_specdec.proposers import ProposerContext, register
-from hf_specdec.proposers.base import Proposal
+from hf_specdec.proposers.base import Proposal, widest
 from hf_specdec.proposers.mtp import _draw
 from hf_specdec.proposers.target_states import TargetStateDrafter, VerifyCapture, allowed_keys
 from hf_specdec.sampling.processors import StepSampling
@@ -131,8 +131,10 @@ class Gemma4AssistantProposer(TargetStateDrafter):
         self.shared_kv, self.allowed = {}, {}
         self.seen_forwards = self.capture.count
 
-    def propose(self, batch: RaggedBatch, max_draft_tokens: torch.Tensor, sampling: StepSampling) -> Proposal:
-        k = int(max_draft_tokens.max().item()) if batch.batch_size else 0
+    def propose(
+        self, batch: RaggedBatch, max_draft_tokens: torch.Tensor, sampling: StepSampling, width: int | None = None
+    ) -> Proposal:
+        k = widest(max_draft_tokens, width)
         if k == 0 or self.hidden is None:  # step 0: the drafts need the prefill's states
             return Proposal.empty(batch.batch_size, batch.device)
         rows = torch.arange(batch.batch_size, device=batch.device)

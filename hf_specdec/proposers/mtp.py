@@ -22,7 +22,7 @@ from hf_specdec import compat
 from hf_specdec.batch import RaggedBatch
 from hf_specdec.cache import CacheView
 from hf_specdec.proposers import ProposerContext, register
-from hf_specdec.proposers.base import Proposal, Proposer
+from hf_specdec.proposers.base import Proposal, Proposer, widest
 from hf_specdec.proposers.draft_model import sampling_exponentials
 from hf_specdec.sampling.processors import StepSampling
 
@@ -236,9 +236,11 @@ class MTPProposer(Proposer):
         self.seen_prompt = True
         return prompt[:, width:]
 
-    def propose(self, batch: RaggedBatch, max_draft_tokens: torch.Tensor, sampling: StepSampling) -> Proposal:
+    def propose(
+        self, batch: RaggedBatch, max_draft_tokens: torch.Tensor, sampling: StepSampling, width: int | None = None
+    ) -> Proposal:
         assert self.rings is not None, "prefill() must run before propose()"
-        k = int(max_draft_tokens.max().item()) if batch.batch_size else 0
+        k = widest(max_draft_tokens, width)
         if k == 0 or not self.seen_prompt:  # step 0: drafts need the target's state of the newest token
             return Proposal.empty(batch.batch_size, batch.device)
         self.proposed = True

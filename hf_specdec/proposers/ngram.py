@@ -81,6 +81,7 @@ class NgramProposer(Proposer):
         batch: RaggedBatch,
         max_draft_tokens: torch.Tensor,  # [B] int64, 0..k
         sampling: StepSampling,
+        width: int | None = None,  # unused: the search reads the budgets with the lengths
     ) -> Proposal:
         """
         Search every row of `batch` for a repeated n-gram and return its continuation as drafts.

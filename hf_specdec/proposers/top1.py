@@ -111,17 +111,19 @@ class Top1Proposer(Proposer):
             # Fixed shapes, no host sync: every row goes to the inner proposer (budget 0 drafts nothing), width k.
             return _clip(self.inner.propose(batch, budget, sampling), budget, width=self.static.k)
         speculating = budget > 0  # [B]
-        num_speculating = int(speculating.sum().item()) if batch.batch_size else 0
+        num_speculating, width = 0, 0
+        if batch.batch_size:  # the step's one read of the budgets: how many rows draft, and the most drafts
+            num_speculating, width = torch.stack([speculating.sum(), budget.max()]).tolist()
         if num_speculating == 0:
             proposal = Proposal.empty(batch.batch_size, batch.device)
         elif self.inner.stateless and self.static is None and num_speculating < batch.batch_size:
             # A sub-batch of the speculating rows (dynamic caches; static ones keep one shape: zero budgets)
             rows = speculating.nonzero().squeeze(1)  # [B']
             proposal = self._merge(
-                batch.batch_size, rows, self.inner.propose(_sub_batch(batch, rows), budget[rows], sampling)
+                batch.batch_size, rows, self.inner.propose(_sub_batch(batch, rows), budget[rows], sampling, width)
             )
         else:
-            proposal = self.inner.propose(batch, budget, sampling)
+            proposal = self.inner.propose(batch, budget, sampling, width)
         if trim is not None:  # a schedule may keep fewer of the drafts it has seen (e.g. by their keys)
             budget = torch.minimum(budget, trim(proposal))
         proposal = _clip(proposal, budget)

@@ -88,8 +88,8 @@ class Recorder:
         self.num_commits = 0
         propose, commit = MTPProposer.propose, MTPProposer.commit
 
-        def recording_propose(proposer, batch, max_draft_tokens, sampling):  # noqa: ANN001, ANN202
-            proposal = propose(proposer, batch, max_draft_tokens, sampling)
+        def recording_propose(proposer, batch, max_draft_tokens, sampling, width=None):  # noqa: ANN001, ANN202
+            proposal = propose(proposer, batch, max_draft_tokens, sampling, width)
             self.steps.append(
                 (batch.token_ids.clone(), batch.lengths.clone(), batch.pad_lengths.clone(), proposal.draft_token_ids)
             )
