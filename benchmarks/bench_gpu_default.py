@@ -175,11 +175,7 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU: a dry run of the script")
     args = parser.parse_args()
     if args.tiny:
-        e2e.DEVICE = "cpu"
-        e2e.TARGET_SHAPE.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                num_key_value_heads=2)  # fmt: skip
-        e2e.DRAFT_SHAPE.update(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                               num_key_value_heads=2)  # fmt: skip
+        e2e.use_tiny_shapes()
     results: dict = {"meta": dict(gpu=e2e.device_name(), torch=torch.__version__,
                                   transformers=transformers.__version__, python=platform.python_version(),
                                   new_tokens=args.new_tokens, prompt_len=args.prompt_len, part=args.part,

@@ -43,6 +43,16 @@ REPEATS = 3  # turns of each side-by-side timing (medians are reported)
 PHASES = ("propose", "verify", "score", "accept", "commit", "rollback", "retire_finished")
 
 
+def use_tiny_shapes() -> None:
+    """`--tiny`: tiny models on the CPU, a dry run of a GPU benchmark script."""
+    global DEVICE
+    DEVICE = "cpu"
+    TARGET_SHAPE.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2)  # fmt: skip
+    DRAFT_SHAPE.update(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                       num_key_value_heads=2)  # fmt: skip
+
+
 def sync() -> None:
     if DEVICE == "cuda":
         torch.cuda.synchronize()
@@ -241,13 +251,8 @@ def main() -> None:
     parser.add_argument("--adaptive", action="store_true",
                         help="also run num_speculative_tokens_schedule='adaptive' (k <= max(--ks)) at each alpha")  # fmt: skip
     args = parser.parse_args()
-    global DEVICE
     if args.tiny:
-        DEVICE = "cpu"
-        TARGET_SHAPE.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                            num_key_value_heads=2)  # fmt: skip
-        DRAFT_SHAPE.update(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                           num_key_value_heads=2)  # fmt: skip
+        use_tiny_shapes()
     torch.backends.cuda.matmul.allow_tf32 = True
     n_new = args.new_tokens
     target = build(TARGET_SHAPE, seed=0)

@@ -142,11 +142,7 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU: a dry run of the script")
     args = parser.parse_args()
     if args.tiny:
-        e2e.DEVICE = "cpu"
-        e2e.TARGET_SHAPE.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                num_key_value_heads=2)  # fmt: skip
-        e2e.DRAFT_SHAPE.update(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                               num_key_value_heads=2)  # fmt: skip
+        e2e.use_tiny_shapes()
         torch.cuda.reset_peak_memory_stats = lambda: None
         torch.cuda.max_memory_allocated = lambda: 0
     target, draft, all_inputs = default.setup(args.batches, args.new_tokens, args.prompt_len)
