@@ -25,26 +25,11 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from benchmarks.bench_ngram import make_stream
 from hf_specdec.proposers.ngram_device import ngram_search_device
 from hf_specdec.proposers.ngram_search import ngram_search
 
-VOCAB = 49152
 SCRATCH = 64  # columns past the longest row, as a static batch holds (max_length + k + 1)
-
-
-def make_stream(rng: np.random.Generator, length: int, copy_prob: float = 0.5) -> np.ndarray:
-    """A [length] int64 token stream: random spans of 16-128 tokens and spans copied from earlier."""
-    out = np.empty(length, dtype=np.int64)  # [L]
-    pos = 0
-    while pos < length:
-        span = min(int(rng.integers(16, 129)), length - pos)
-        if pos >= 256 and rng.random() < copy_prob:
-            src = int(rng.integers(0, pos - span)) if pos > span else 0
-            out[pos : pos + span] = out[src : src + span]
-        else:
-            out[pos : pos + span] = rng.integers(0, VOCAB, span)
-        pos += span
-    return out
 
 
 def host_median_us(fn: Callable[[], object], repeats: int) -> float:

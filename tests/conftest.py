@@ -436,6 +436,20 @@ def make_dflash_drafter(target: torch.nn.Module, seed: int = 1, block_size: int 
     return MuseGlimmerAssistantModel._from_config(config, attn_implementation="sdpa").eval()
 
 
+def filled_cache_call(model, inputs: dict) -> tuple[dict, object]:  # noqa: ANN001
+    """A `DynamicCache` that `model` filled with `inputs` (2 rows), and those rows two tokens longer: the arguments of
+    a call that continues a filled `past_key_values`."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    model(**inputs, past_key_values=cache)
+    longer = {
+        "input_ids": torch.cat([inputs["input_ids"], torch.full((2, 2), 7)], 1),
+        "attention_mask": torch.cat([inputs["attention_mask"], torch.ones(2, 2, dtype=torch.long)], 1),
+    }
+    return longer, cache
+
+
 def record_proposals(monkeypatch: pytest.MonkeyPatch, proposer_class: type) -> list[tuple[torch.Tensor, ...]]:
     """Each `proposer_class.propose` call's (token rows [B, C], lengths [B], pad lengths [B], drafts [B, k])."""
     steps = []

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from conftest import make_dflash_drafter, make_model, make_prompts, record_proposals, spec_generate
+from conftest import filled_cache_call, make_dflash_drafter, make_model, make_prompts, record_proposals, spec_generate
 from first_tokens_law import check_first_tokens, exact_joint_law
 
 import hf_specdec
@@ -150,14 +150,7 @@ def test_refusals_teach(dflash, llama) -> None:
             )  # fmt: skip
     finally:
         hf_specdec.uninstall()
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=target.config)
-    target(**inputs, past_key_values=cache)
-    longer = {
-        "input_ids": torch.cat([inputs["input_ids"], torch.full((2, 2), 7)], 1),
-        "attention_mask": torch.cat([inputs["attention_mask"], torch.ones(2, 2, dtype=torch.long)], 1),
-    }
+    longer, cache = filled_cache_call(target, inputs)
     with pytest.raises(NotImplementedError, match="filled past_key_values"):
         spec_generate(target, longer, spec, max_new_tokens=4, past_key_values=cache)
 

@@ -16,7 +16,7 @@ import math
 
 import pytest
 import torch
-from conftest import make_model, make_prompts, record_proposals, spec_generate
+from conftest import filled_cache_call, make_model, make_prompts, record_proposals, spec_generate
 from first_tokens_law import check_first_tokens, exact_joint_law
 from safetensors.torch import save_file
 
@@ -363,14 +363,7 @@ def test_refusals_teach(target, heads, tmp_path) -> None:
             target.generate(**inputs, max_new_tokens=4, assistant_model=head, assistant_confidence_threshold=0.4)
     finally:
         hf_specdec.uninstall()
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=target.config)
-    target(**inputs, past_key_values=cache)
-    longer = {
-        "input_ids": torch.cat([inputs["input_ids"], torch.full((2, 2), 7)], 1),
-        "attention_mask": torch.cat([inputs["attention_mask"], torch.ones(2, 2, dtype=torch.long)], 1),
-    }
+    longer, cache = filled_cache_call(target, inputs)
     with pytest.raises(NotImplementedError, match="filled past_key_values"):
         spec_generate(target, longer, hf_specdec.SpecDecoder(draft_head=head), max_new_tokens=4, past_key_values=cache)
 

@@ -11,7 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from conftest import make_gemma4, make_gemma4_assistant, make_prompts, record_proposals, spec_generate
+from conftest import (
+    filled_cache_call,
+    make_gemma4,
+    make_gemma4_assistant,
+    make_prompts,
+    record_proposals,
+    spec_generate,
+)
 from first_tokens_law import check_first_tokens, exact_joint_law
 
 import hf_specdec
@@ -188,15 +195,7 @@ def test_refusals_teach(gemma4, llama) -> None:
             target.generate(**inputs, max_new_tokens=4, assistant_model=assistant, assistant_confidence_threshold=0.4)
     finally:
         hf_specdec.uninstall()
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=target.config)
-    target(**make_prompts(2, seed=1), past_key_values=cache)
-    longer = make_prompts(2, seed=1)
-    longer = {
-        "input_ids": torch.cat([longer["input_ids"], torch.full((2, 2), 7)], 1),
-        "attention_mask": torch.cat([longer["attention_mask"], torch.ones(2, 2, dtype=torch.long)], 1),
-    }
+    longer, cache = filled_cache_call(target, make_prompts(2, seed=1))
     with pytest.raises(NotImplementedError, match="filled past_key_values"):
         spec_generate(target, longer, spec, max_new_tokens=4, past_key_values=cache)
 
