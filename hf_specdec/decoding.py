@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
+from hf_specdec import graph_reuse
 from hf_specdec.batch import RaggedBatch
 from hf_specdec.cache import CacheView
 from hf_specdec.continuation import CacheHandoff
@@ -123,9 +124,9 @@ class SpeculativeLoop:
             self.target = StaticCacheView(model, total, batch.pad_lengths, static)
             if capturable:  # planned steps (host decisions, then device work); captured on a GPU
                 description = f"a speculative step of {type(model).__name__}"
-                self.step_graph = StepGraph(
-                    self, self.device_step, description, static.capture_steps, model, self._graph_signature()
-                )
+                # The signature reads small processor tensors on the host: only when graphs may be kept for reuse.
+                signature = self._graph_signature() if graph_reuse.enabled() else None
+                self.step_graph = StepGraph(self, self.device_step, description, static.capture_steps, model, signature)
         self.handoff = handoff  # adopts a filled past_key_values; keeps leaving rows' caches to hand back
         if handoff is not None:
             handoff.adopt(self.target)
