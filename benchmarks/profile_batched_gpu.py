@@ -5,8 +5,10 @@ probability alpha = 0.8), ragged prompts of 64-128 tokens, 64 new tokens. For ea
 
 - **forwards**: one target forward of width 1 (a plain step) and of width 1 + k (a verify), and one draft forward,
   over a 160-token cache (eager, synchronised, medians): whether the verify is still memory-bound;
-- **calls**: plain eager `generate`, hf_specdec with no flags (the adaptive schedule, captured steps) and with a
-  constant k = 4 (captured), timed in interleaved turns; tokens/s, identical outputs, peak GPU memory;
+- **calls**: plain eager `generate`, plain compiled `generate(cache_implementation="static")`, hf_specdec with no
+  flags (the adaptive schedule, captured steps), the same without grouped attention (`grouped_attention`: the
+  key-value heads copied as transformers does) and with a constant k = 4 (captured), timed in interleaved turns;
+  tokens/s, identical outputs, peak GPU memory, and each method's first call (plain compiled: its compile);
 - **phases**: the same constant-k call on static caches with steps *not* captured
   (`HF_SPECDEC_CAPTURE_STEPS=0`), each loop phase synchronised and timed (the sync adds its own cost);
 - **kernels**: `torch.profiler` over the captured constant-k call: device time per kernel class (GEMMs,
@@ -32,7 +34,7 @@ import transformers
 import hf_specdec
 from benchmarks import bench_gpu_default as default
 from benchmarks import bench_gpu_e2e as e2e
-from hf_specdec import adaptive
+from hf_specdec import adaptive, grouped_attention
 
 K = 4
 
@@ -66,7 +68,22 @@ def kernels(fn) -> dict:  # noqa: ANN001
     return dict(by_class_us=dict(by_class), top=[dict(us=u, count=c, name=n) for u, c, n in rows[:12]])
 
 
-def profile_batch(target, draft, inputs, n_new: int, turns: int) -> dict:  # noqa: ANN001
+def ungrouped(call):  # noqa: ANN001, ANN201
+    """`call` with hf_specdec's forwards copying grouped key-value heads, as transformers' SDPA attention does."""
+
+    def run() -> torch.Tensor:
+        kept = grouped_attention.forward_kwargs
+        grouped_attention.forward_kwargs = lambda model: {}
+        try:
+            return call()
+        finally:
+            grouped_attention.forward_kwargs = kept
+            run.stats = call.stats
+
+    return run
+
+
+def profile_batch(target, draft, inputs, n_new: int, turns: int, phases: bool) -> dict:  # noqa: ANN001
     batch = inputs["input_ids"].shape[0]
     gen = dict(max_new_tokens=n_new, do_sample=False)
     forwards = {
@@ -85,16 +102,23 @@ def profile_batch(target, draft, inputs, n_new: int, turns: int) -> dict:  # noq
 
         return call
 
-    fns = {"plain_eager": lambda: target.generate(**inputs, **gen), "ours_default": ours("adaptive"),
+    fns = {"plain_eager": lambda: target.generate(**inputs, **gen),
+           "plain_compiled": lambda: target.generate(**inputs, **gen, cache_implementation="static"),
+           "ours_default": ours("adaptive"), "ours_default_ungrouped": ungrouped(ours("adaptive")),
            "ours_k4": ours("constant")}  # fmt: skip
     times: dict[str, list[float]] = {key: [] for key in fns}
     memory: dict[str, float] = {}
+    first_call_s: dict[str, float] = {}
     with torch.no_grad():
         reference = target.generate(**inputs, **gen)
         identical = {}
-        for key, fn in fns.items():  # warm-up turn: peak memory of each, first captures, calibration
+        for key, fn in fns.items():  # warm-up turn: peak memory of each, first captures or compile, calibration
             torch.cuda.reset_peak_memory_stats()
+            e2e.sync()
+            t0 = time.perf_counter()
             identical[key] = bool(torch.equal(fn(), reference))
+            e2e.sync()
+            first_call_s[key] = time.perf_counter() - t0
             memory[key] = torch.cuda.max_memory_allocated() / 2**30
         for _ in range(turns):
             for key, fn in fns.items():
@@ -105,28 +129,32 @@ def profile_batch(target, draft, inputs, n_new: int, turns: int) -> dict:  # noq
                 times[key].append(time.perf_counter() - t0)
         default_stats = fns["ours_default"].stats
         k4_stats = fns["ours_k4"].stats
-        os.environ["HF_SPECDEC_CAPTURE_STEPS"] = "0"
-        with e2e.phase_timer() as phases:
-            fns["ours_k4"]()
-        os.environ.pop("HF_SPECDEC_CAPTURE_STEPS")
-        steps = fns["ours_k4"].stats.num_steps
+        phase_ms = {}
+        if phases:
+            os.environ["HF_SPECDEC_CAPTURE_STEPS"] = "0"
+            with e2e.phase_timer() as timed:
+                fns["ours_k4"]()
+            os.environ.pop("HF_SPECDEC_CAPTURE_STEPS")
+            steps = fns["ours_k4"].stats.num_steps
+            phase_ms = {name: timed[name] / max(1, steps) * 1e3 for name in e2e.PHASES}
         kernel_view = kernels(fns["ours_k4"])
     tps = {key: batch * n_new / statistics.median(v) for key, v in times.items()}
     row = dict(
         batch=batch, forwards=forwards, verify_over_plain_forward=forwards[f"target_w{K + 1}_ms"]
         / forwards["target_w1_ms"], tps_median=tps, seconds=times, identical_to_plain=identical,
-        peak_memory_gib=memory,
+        peak_memory_gib=memory, first_call_s=first_call_s,
         default=dict(mean_accepted_length=default_stats.mean_accepted_length,
                      drafting_share=default_stats.num_drafting_row_steps / max(1, default_stats.num_row_steps),
                      steps=default_stats.num_steps, replays=default_stats.num_graph_replays),
         k4=dict(mean_accepted_length=k4_stats.mean_accepted_length, steps=k4_stats.num_steps,
                 replays=k4_stats.num_graph_replays,
                 step_ms=statistics.median(times["ours_k4"]) / max(1, k4_stats.num_steps) * 1e3),
-        phases_ms_per_step={name: phases[name] / max(1, steps) * 1e3 for name in e2e.PHASES},
+        phases_ms_per_step=phase_ms,
         kernels=kernel_view,
     )  # fmt: skip
     print(json.dumps({key: row[key] for key in ("batch", "forwards", "tps_median", "identical_to_plain",
-                                                "peak_memory_gib", "default", "k4", "phases_ms_per_step")}),
+                                                "peak_memory_gib", "first_call_s", "default", "k4",
+                                                "phases_ms_per_step")}),
           flush=True)  # fmt: skip
     print(json.dumps(kernel_view["by_class_us"]), flush=True)
     return row
@@ -139,6 +167,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--no-phases", action="store_true", help="skip the uncaptured, synchronised phase timing")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU: a dry run of the script")
     args = parser.parse_args()
     if args.tiny:
@@ -153,7 +182,9 @@ def main() -> None:
                    rows=[])  # fmt: skip
     for batch in args.batches:
         adaptive._MEMORY.pop(target, None)
-        results["rows"].append(profile_batch(target, draft, all_inputs[batch], args.new_tokens, args.turns))
+        results["rows"].append(
+            profile_batch(target, draft, all_inputs[batch], args.new_tokens, args.turns, not args.no_phases)
+        )
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(results, f, indent=1)

@@ -53,6 +53,7 @@ class CacheView:
         self.mask_dtype = model.dtype
         self.eager = config._attn_implementation == "eager"
         self.alibi_mask = alibi_from_mask(model)  # a 2-D mask of real columns instead of 4-D masks
+        self.forward_kwargs: dict[str, object] = {}  # what every forward passes besides inputs, mask and cache
 
     @property
     def width(self) -> int:
@@ -113,6 +114,7 @@ class CacheView:
             **compat.cache_kwargs(self.model, self.cache),
             use_cache=True,
             logits_to_keep=logits_to_keep,
+            **self.forward_kwargs,
         ).logits
 
     def kv_layers(self) -> list:

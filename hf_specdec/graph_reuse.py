@@ -8,11 +8,14 @@ them (`adopt`), then replays. One call at a time uses an entry (a concurrent cal
 its own); at most `MAX_ENTRIES` are kept per model, the oldest dropped; `clear(model)` drops a model's entries (needed
 only after changing Python attributes that its forward reads).
 
-Reuse is **off unless `HF_SPECDEC_REUSE_GRAPHS=1`**: on an H100, a call that adopted graphs kept by two earlier calls
-(step kinds captured in different calls, as the adaptive schedule makes them) hit a device-side index assert in a
-replay. The CPU emulation of CUDA graphs (tests/emulated_graphs.py) reproduced it and found the cause, a step kind
-captured after a catch-up forward without its state put home first (fixed in `step_graph.StepGraph.run`); reuse
-stays off until a GPU run confirms it.
+Reuse is on by default (`HF_SPECDEC_REUSE_GRAPHS=0` turns it off): a call that adopts an entry skips the eager
+warm-up step and the capture of each step kind, about a third of a 64-token call at batch 1 on an H100. What an entry
+holds stays allocated on the GPU (the static caches, the state tensors and the graphs' memory pools), so entries are
+kept only while the tensors they hold total at most `MAX_KEPT_BYTES` per model: small batches, whose calls pay the
+most for capturing, are kept; a batch of 128 rows at 8B scale (gigabytes of static cache) is not. Its first H100
+runs hit a device-side index assert in a replay (a step kind captured after a catch-up forward without its state
+put home first); the CPU emulation of CUDA graphs (tests/emulated_graphs.py) reproduced and fixed it
+(`step_graph.StepGraph.run`), and the H100 runs since replay every adopted graph exactly.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from transformers.cache_utils import Cache
 
 REUSE_ENV = "HF_SPECDEC_REUSE_GRAPHS"
 MAX_ENTRIES = 4
+#: The most bytes of tensors and caches the kept entries of one model may hold (their graphs' pools come on top).
+MAX_KEPT_BYTES = 2 * 2**30
 
 Slot = tuple[object, str, Any]  # (owner, attribute, value)
 
@@ -54,7 +59,7 @@ _LOCK = threading.Lock()
 
 
 def enabled() -> bool:
-    return os.environ.get(REUSE_ENV, "0") == "1"
+    return os.environ.get(REUSE_ENV, "1") != "0"
 
 
 def owners_by_path(root: object) -> dict[str, object]:
@@ -110,7 +115,8 @@ def checkout(model: object, signature: Hashable) -> Entry | None:
 
 
 def keep(model: object, entry: Entry) -> None:
-    """Keep a call's entry for later calls (and free it); the oldest goes past `MAX_ENTRIES`, a duplicate is dropped."""
+    """Keep a call's entry for later calls (and free it); the oldest go past `MAX_ENTRIES` or `MAX_KEPT_BYTES`, a
+    duplicate is dropped, and an entry larger than `MAX_KEPT_BYTES` is not kept."""
     if not enabled():
         return
     with _LOCK:
@@ -118,10 +124,21 @@ def keep(model: object, entry: Entry) -> None:
         entries = _ENTRIES.setdefault(model, [])
         if entry in entries:
             return
-        if any(e.signature == entry.signature for e in entries):
-            return  # a concurrent call kept one for this signature first
+        if any(e.signature == entry.signature for e in entries) or entry_bytes(entry) > MAX_KEPT_BYTES:
+            return  # a concurrent call kept one for this signature first, or it holds too much memory
         entries.append(entry)
         del entries[:-MAX_ENTRIES]
+        while sum(entry_bytes(e) for e in entries) > MAX_KEPT_BYTES:
+            del entries[0]
+
+
+def entry_bytes(entry: Entry) -> int:
+    """The bytes of the tensors and static caches an entry holds (each counted once)."""
+    tensors = {}
+    for value in entry.slots.values():
+        for tensor in [t for pair in _layers(value) for t in pair] if isinstance(value, Cache) else [value]:
+            tensors[id(tensor)] = tensor.nbytes
+    return sum(tensors.values())
 
 
 def clear(model: object) -> None:

@@ -23,7 +23,7 @@ import torch
 from transformers import PreTrainedModel, StaticCache
 from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 
-from hf_specdec import compat
+from hf_specdec import compat, grouped_attention
 from hf_specdec.cache import CacheView
 from hf_specdec.recurrent import RecurrentRollback
 
@@ -84,6 +84,8 @@ class StaticCacheView(CacheView):
         self.offset_bound = 0  # host-side upper bound of `offset`: read it only when a write might not fit
         self.prefilled = False
         self.compiled_call = plan.compiled_call(model)  # every forward after the first (the prefill runs eagerly)
+        # Attention over the whole static length every forward: without copying grouped key-value heads.
+        self.forward_kwargs = grouped_attention.forward_kwargs(model)
 
     @property
     def width(self) -> int:

@@ -44,11 +44,36 @@ def test_adopt_refuses_other_shapes_and_changes_nothing():
     assert new.batch.token_ids is ids and old.batch.token_ids[0, :3].tolist() == [1, 2, 3]
 
 
-def test_reuse_is_off_unless_asked_for(monkeypatch):
+def test_reuse_is_on_unless_turned_off(monkeypatch):
     monkeypatch.delenv(graph_reuse.REUSE_ENV, raising=False)
-    assert not graph_reuse.enabled()
-    monkeypatch.setenv(graph_reuse.REUSE_ENV, "1")
     assert graph_reuse.enabled()
+    monkeypatch.setenv(graph_reuse.REUSE_ENV, "0")
+    assert not graph_reuse.enabled()
+
+
+def test_kept_entries_hold_at_most_max_kept_bytes(monkeypatch):
+    """The oldest entries go once the kept tensors pass the byte budget; an entry above it alone is not kept."""
+
+    class Model:
+        pass
+
+    model = Model()
+
+    def entry(i: int) -> graph_reuse.Entry:
+        kept = graph_reuse.Entry(signature=("B", i), root=_state([[1, 2, 3]]), device=torch.device("cpu"))
+        graph_reuse.snapshot(kept)
+        return kept
+
+    size = graph_reuse.entry_bytes(entry(0))
+    assert size > 0
+    monkeypatch.setattr(graph_reuse, "MAX_KEPT_BYTES", 2 * size)
+    for i in range(3):
+        graph_reuse.keep(model, entry(i))
+    assert [e.signature for e in graph_reuse._ENTRIES[model]] == [("B", 1), ("B", 2)]
+    monkeypatch.setattr(graph_reuse, "MAX_KEPT_BYTES", size - 1)
+    graph_reuse.clear(model)
+    graph_reuse.keep(model, entry(3))
+    assert graph_reuse.checkout(model, ("B", 3)) is None
 
 
 def test_an_entry_serves_one_call_at_a_time_and_only_its_signature(monkeypatch):
