@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -71,17 +72,24 @@ def run_setting(name: str, target, draft, inputs, alpha: float, n_new: int, roun
             spec = specs[route] = hf_specdec.SpecDecoder(**drafting, num_speculative_tokens=K,
                                                           seed=seed if sample else None)  # fmt: skip
             extra = {"cache_implementation": "dynamic"} if route == "ours_dynamic" else {}
-            return target.generate(**inputs, **gen, **extra, custom_generate=hf_specdec.generate, spec_decoder=spec)
+            if route == "ours_no_reuse":  # every call warms up and captures its own graphs
+                os.environ[graph_reuse.REUSE_ENV] = "0"
+            try:
+                return target.generate(**inputs, **gen, **extra, custom_generate=hf_specdec.generate,
+                                       spec_decoder=spec)  # fmt: skip
+            finally:
+                os.environ.pop(graph_reuse.REUSE_ENV, None)
 
         return call
 
-    fns = {**plain, "ours_default": ours("ours_default", 1), "ours_dynamic": ours("ours_dynamic", 2)}
+    fns = {**plain, "ours_default": ours("ours_default", 1), "ours_no_reuse": ours("ours_no_reuse", 3),
+           "ours_dynamic": ours("ours_dynamic", 2)}  # fmt: skip
     samples: dict[str, list[float]] = {key: [] for key in fns}
     stats: list[dict] = []
     identical: dict[str, bool] = {}
     with torch.no_grad():
         reference = {key: fn() for key, fn in fns.items()}  # warm-up round (compiles plain static)
-        for key in ("ours_default", "ours_dynamic", "plain_compiled"):
+        for key in ("ours_default", "ours_no_reuse", "ours_dynamic", "plain_compiled"):
             identical[key] = bool((reference[key] == reference["plain_eager"]).all()) if not sample else None
         for _ in range(rounds):
             for key, fn in fns.items():
@@ -100,7 +108,7 @@ def run_setting(name: str, target, draft, inputs, alpha: float, n_new: int, roun
                               / max(1, specs["ours_dynamic"].last_stats.num_row_steps)))  # fmt: skip
     tps = {key: [batch * n_new / t for t in ts] for key, ts in samples.items()}
     ratios = {}
-    for ours_key in ("ours_default", "ours_dynamic"):
+    for ours_key in ("ours_default", "ours_no_reuse", "ours_dynamic"):
         for base in ("plain_eager", "plain_compiled"):
             per_round = [b / o for b, o in zip(samples[base], samples[ours_key])]
             ratios[f"{ours_key}_vs_{base}"] = dict(min=min(per_round), median=statistics.median(per_round),

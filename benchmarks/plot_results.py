@@ -4,7 +4,7 @@ Run: `python benchmarks/plot_results.py docs/results/rejection_h100.json docs/re
 `python benchmarks/plot_results.py --compiled docs/results/compiled_h100_*_captured.json --out docs` for the
 compiled static-cache path (`bench_gpu_compiled.py`); `--default docs/results/default_h100_b1.json ...` for the
 no-flag default (`bench_gpu_default.py`); `--profile docs/results/profile_batched_h100.json` for the batched step
-(`profile_batched_gpu.py`); `--threads docs/results/threads_h100.json` for threads (`bench_threads_gpu.py`).
+(`profile_batched_gpu.py`; the figure is named after the file); `--threads docs/results/threads_h100.json` for threads (`bench_threads_gpu.py`).
 """
 
 from __future__ import annotations
@@ -85,12 +85,15 @@ def plot_default(files: list[Path], out: Path) -> None:
     """`bench_gpu_default.py`: tokens/s of each route per setting (median of the rounds), and the default's ratio
     to compiled plain (minimum over the rounds, the figure the goals are about)."""
     rows = [row for f in files for row in json.loads(f.read_text())["rows"]]
-    routes = ("plain_eager", "plain_compiled", "ours_default", "ours_dynamic")
-    labels = ("plain eager", "plain compiled (static)", "hf_specdec, no flags", "hf_specdec, dynamic")
+    names = {"plain_eager": "plain eager", "plain_compiled": "plain compiled (static)",
+             "ours_default": "hf_specdec, no flags", "ours_no_reuse": "hf_specdec, no flags, graph reuse off",
+             "ours_dynamic": "hf_specdec, dynamic"}  # fmt: skip
+    routes = [route for route in names if all(route in r["tps_median"] for r in rows)]
+    labels = [names[route] for route in routes]
     fig, ax = plt.subplots(figsize=(12, 4.5))
-    width = 0.2
+    width = 0.8 / len(routes)
     for i, (route, label) in enumerate(zip(routes, labels)):
-        xs = [j + (i - 1.5) * width for j in range(len(rows))]
+        xs = [j + (i - (len(routes) - 1) / 2) * width for j in range(len(rows))]
         ax.bar(xs, [r["tps_median"][route] / r["tps_median"]["plain_compiled"] for r in rows], width, label=label)
     for j, r in enumerate(rows):
         low = r["ratios"]["ours_default_vs_plain_compiled"]["min"]
@@ -106,14 +109,17 @@ def plot_default(files: list[Path], out: Path) -> None:
     fig.savefig(out / "default_h100.png", dpi=110)
 
 
-def plot_profile(data: dict, out: Path) -> None:
+def plot_profile(data: dict, out: Path, name: str) -> None:
     """`profile_batched_gpu.py`: tokens/s per batch size, and a captured step's device time by kernel class."""
-    rows = data["rows"]
+    rows = sorted(data["rows"], key=lambda r: r["batch"])
     batches = [r["batch"] for r in rows]
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for route, label in (("plain_eager", "plain eager"), ("ours_default", "hf_specdec, no flags"),
+    for route, label in (("plain_eager", "plain eager"), ("plain_compiled", "plain compiled (static)"),
+                         ("ours_default", "hf_specdec, no flags"),
+                         ("ours_default_ungrouped", "hf_specdec, no flags, key-value heads copied"),
                          ("ours_k4", "hf_specdec, k = 4")):  # fmt: skip
-        left.plot(batches, [r["tps_median"][route] for r in rows], marker="o", label=label)
+        if all(route in r["tps_median"] for r in rows):
+            left.plot(batches, [r["tps_median"][route] for r in rows], marker="o", label=label)
     left.set(xscale="log", yscale="log", xlabel="batch", ylabel="tokens/s", title="throughput (captured steps)")
     left.set_xticks(batches, [str(b) for b in batches])
     left.legend(fontsize=8)
@@ -126,7 +132,7 @@ def plot_profile(data: dict, out: Path) -> None:
     right.legend(fontsize=8)
     fig.suptitle("The batched step on an H100 (8B-shaped bf16 Llama, 124M synthetic draft, alpha = 0.8)")
     fig.tight_layout()
-    fig.savefig(out / "profile_batched_h100.png", dpi=110)
+    fig.savefig(out / name, dpi=110)
 
 
 def plot_threads(data: dict, out: Path) -> None:
@@ -162,7 +168,7 @@ def main() -> None:
     if args.default:
         plot_default(args.default, out)
     if args.profile:
-        plot_profile(json.loads(args.profile.read_text()), out)
+        plot_profile(json.loads(args.profile.read_text()), out, args.profile.stem + ".png")
     if args.threads:
         plot_threads(json.loads(args.threads.read_text()), out)
 

@@ -9,7 +9,9 @@ the copies were a quarter of a captured step (docs/benchmarks.md, "Profile of th
 The same attention, without the copy: the `n_rep` query heads that share a key-value head become `n_rep` blocks of
 one longer query, [B, H, w, D] -> [B, H_kv, n_rep * w, D], and the mask is tiled to match, [B, 1, w, L] ->
 [B, 1, n_rep * w, L]. Each query row still sees exactly its own keys under its own mask row; the copy moves from the
-[B, H, L, D] keys and values to the [B, H, w, D] queries (w is k + 1, L the cache length).
+[B, H, L, D] keys and values to the [B, H, w, D] queries (w is k + 1, L the cache length). Only queries at most
+`MAX_QUERY_WIDTH` wide are folded (a step's forwards); a prefill keeps transformers' path (on an H100 at B = 32 a
+call whose prefill was folded was slower than one whose prefill was not: docs/benchmarks.md).
 
 transformers looks attention functions up by name (`AttentionInterface`, public API): `install()` registers a
 wrapper under "sdpa" that runs the grouped form only when a forward passes `hf_specdec_grouped_attention=True`
@@ -28,6 +30,9 @@ from transformers import AttentionInterface, PreTrainedModel
 
 #: The forward keyword that asks for the grouped form (it reaches the attention function through **kwargs).
 KWARG = "hf_specdec_grouped_attention"
+
+#: The widest query folded: a step's forwards (k + 1 wide) gain, a prefill's long queries keep transformers' path.
+MAX_QUERY_WIDTH = 16
 
 _INSTALL_LOCK = threading.Lock()
 
@@ -79,6 +84,7 @@ def _groupable(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None
         isinstance(mask, torch.Tensor)
         and mask.dim() == 4
         and mask.shape[1] == 1
+        and query.shape[2] <= MAX_QUERY_WIDTH
         and query.shape[1] > key.shape[1]
         and query.shape[1] % key.shape[1] == 0
         and dropout == 0.0
