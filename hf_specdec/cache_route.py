@@ -34,6 +34,19 @@ DEFAULT_STATIC_ENV = "HF_SPECDEC_DEFAULT_STATIC"
 #: on the dynamic path).
 CAPTURABLE_METHODS = ("draft", "ngram")
 
+#: Why each other method's steps are not captured (what a capture would need: a static-cache port of its state).
+UNCAPTURED_METHODS = {
+    "mtp": "the MTP layers keep dynamic caches, each fed per step as many tokens as were committed (a host read), "
+    "and their ring of hidden states is written at host-sized indices",
+    "early_exit": "the early-exit draft keeps a dynamic cache of its layers, fed per step a width read on the host",
+    "eagle3": "the EAGLE-3 head keeps a dynamic cache, fed per step the target states of the committed tokens (a "
+    "width read on the host)",
+    "dflash": "the DFlash drafter keeps a dynamic cache, fed per step the target states of the committed tokens (a "
+    "width read on the host)",
+    "gemma4_assistant": "the Gemma 4 assistant attends to the target's own dynamic cache, whose masks it builds over "
+    "the growing columns",
+}
+
 _SAID: set[str] = set()
 
 
@@ -63,8 +76,11 @@ def default_blocker(model: PreTrainedModel, spec: Any, generation_config: Genera
         return f"the model is placed on several devices ({sorted(map(str, devices))})"
     if model.config.is_encoder_decoder:
         return "encoder-decoder targets run on the dynamic cache"
-    if spec.method not in CAPTURABLE_METHODS or spec.draft_tokenizer is not None:
-        return f"method={spec.method!r}{' with a draft tokenizer' if spec.draft_tokenizer else ''} is not captured yet"
+    if spec.draft_tokenizer is not None:
+        return "a draft with another tokenizer re-encodes text on the host every step"
+    if spec.method not in CAPTURABLE_METHODS:
+        why = UNCAPTURED_METHODS.get(spec.method, "its steps decide on the host")
+        return f"method={spec.method!r} is not captured: {why}"
     if spec.draft_confidence_threshold:
         return "draft_confidence_threshold learns on the host every step"
     if spec.num_speculative_tokens_schedule not in ("constant", "adaptive"):

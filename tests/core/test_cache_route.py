@@ -72,3 +72,20 @@ def test_what_cannot_be_captured_takes_the_dynamic_path_and_says_why_once(models
     said = [r.getMessage() for r in caplog.records if "eager dynamic cache" in r.getMessage()]
     assert len(said) == len(uncapturable) + 1  # once per reason, however many calls
     assert any("draft_confidence_threshold" in message for message in said)
+
+
+def test_every_uncaptured_method_names_what_keeps_it_off_the_captured_path():
+    """Each method the captured step does not cover says why (its state that a capture would need on static caches)."""
+    from hf_specdec.config import METHODS
+
+    for method in set(METHODS) - set(cache_route.CAPTURABLE_METHODS):
+        assert "host" in cache_route.UNCAPTURED_METHODS[method] or "dynamic" in cache_route.UNCAPTURED_METHODS[method]
+
+
+def test_the_early_exit_default_says_its_reason(models, monkeypatch, caplog):
+    target, _ = models
+    _on_cuda(monkeypatch, target)
+    monkeypatch.setattr(cache_route, "_SAID", set())
+    with caplog.at_level(logging.WARNING, logger="hf_specdec"):
+        choose_route(target, hf_specdec.SpecDecoder(method="early_exit", early_exit_layers=1), GenerationConfig())
+    assert any(cache_route.UNCAPTURED_METHODS["early_exit"] in r.getMessage() for r in caplog.records)

@@ -77,7 +77,7 @@ def test_kept_entries_hold_at_most_max_kept_bytes(monkeypatch):
 
 
 def test_an_entry_serves_one_call_at_a_time_and_only_its_signature(monkeypatch):
-    monkeypatch.setenv(graph_reuse.REUSE_ENV, "1")
+    monkeypatch.delenv(graph_reuse.REUSE_ENV, raising=False)  # reuse is on by default
 
     class Model:
         pass
@@ -108,7 +108,7 @@ def test_calls_that_adopt_a_kept_calls_state_give_plain_output(monkeypatch, emul
     import hf_specdec
     from hf_specdec.step_graph import StepGraph
 
-    monkeypatch.setenv(graph_reuse.REUSE_ENV, "1")
+    monkeypatch.delenv(graph_reuse.REUSE_ENV, raising=False)  # reuse is on by default
     adopted = []
     reuse = StepGraph._reuse
     monkeypatch.setattr(StepGraph, "_reuse", lambda self: (reuse(self), adopted.append(self.entry is not None)))
