@@ -23,6 +23,7 @@ from hf_specdec.continuation import CacheHandoff
 from hf_specdec.draft_budgets import DraftBudgets
 from hf_specdec.exact import ExactPath
 from hf_specdec.metrics import SpecDecodeStats, StepRecord
+from hf_specdec.model_support import capture_hint
 from hf_specdec.proposers.base import Proposal, Proposer
 from hf_specdec.proposers.draft_model import draft_position_limit
 from hf_specdec.sampling import random as row_random
@@ -126,7 +127,10 @@ class SpeculativeLoop:
                 description = f"a speculative step of {type(model).__name__}"
                 # The signature reads small processor tensors on the host: only when graphs may be kept for reuse.
                 signature = self._graph_signature() if graph_reuse.enabled() else None
-                self.step_graph = StepGraph(self, self.device_step, description, static.capture_steps, model, signature)
+                hint = lambda: capture_hint([view.model for view in static.views])  # noqa: E731 - views exist by then
+                self.step_graph = StepGraph(
+                    self, self.device_step, description, static.capture_steps, model, signature, hint
+                )
         self.handoff = handoff  # adopts a filled past_key_values; keeps leaving rows' caches to hand back
         if handoff is not None:
             handoff.adopt(self.target)

@@ -145,3 +145,19 @@ def check_attention_implementation(model: PreTrainedModel) -> None:
             f"hf_specdec needs attn_implementation 'sdpa' or 'eager' (it passes explicit 4-D masks with holes), "
             f"but {type(model).__name__} uses {impl!r}: load it with attn_implementation='sdpa'."
         )
+
+
+def capture_hint(models: list[PreTrainedModel]) -> str:
+    """What the user can change when a step of these models cannot be captured as a CUDA graph ("" if nothing known).
+
+    transformers' "eager" experts implementation routes tokens to experts with host reads (`nonzero` per expert),
+    which CUDA graphs refuse; its "grouped_mm" and "batched_mm" implementations compute the same experts on the
+    device."""
+    eager = sorted({type(m).__name__ for m in models if getattr(m.config, "_experts_implementation", None) == "eager"})
+    if not eager:
+        return ""
+    return (
+        f" {', '.join(eager)} routes tokens to its experts with host reads (experts_implementation='eager'): load it "
+        "with experts_implementation='grouped_mm' (or 'batched_mm', or call model.set_experts_implementation(...)) "
+        "to capture its steps."
+    )

@@ -136,8 +136,10 @@ class StepGraph:
         capture: bool = True,
         model: object = None,
         signature: Hashable | None = None,
+        hint: Callable[[], str] | None = None,
     ) -> None:
         self.root = root
+        self.hint = hint  # what the user can change when a capture is refused ("" when nothing)
         self.model = model  # graphs are kept across calls per model and `signature` (`hf_specdec.graph_reuse`)
         self.device = getattr(getattr(root, "batch", None), "device", torch.device("cuda"))
         self.signature = signature
@@ -321,9 +323,10 @@ class StepGraph:
         self.refused.add(key)
         if not first:
             return
+        hint = self.hint() if self.hint is not None else ""
         warnings.warn(
             f"hf_specdec could not capture {self.description} as one CUDA graph ({why}); such steps "
-            "run uncaptured, each forward compiled on its own (same output, slower).",
+            f"run uncaptured, each forward compiled on its own (same output, slower).{hint}",
             RuntimeWarning,
             stacklevel=4,
         )

@@ -7,6 +7,8 @@ GPU. `test_static_cache.py` runs the same planned steps uncaptured."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from conftest import make_model, make_noisy_copy, make_prompts, spec_generate
@@ -94,3 +96,30 @@ def test_captured_steps_with_stops_and_compactions_equal_plain(emulated_graphs, 
         assert spec.last_stats.num_graph_replays > 0
     if method == "draft":  # rows accept different numbers of drafts: holes, then compactions
         assert spec.last_stats.num_compactions > 0
+
+
+def test_eager_experts_refuse_capture_and_the_warning_names_the_fix(emulated_graphs):
+    """A mixture-of-experts target with transformers' "eager" experts routes tokens with host reads: its steps are
+    refused (and run exactly, uncaptured) with a warning that says which experts implementation captures; with
+    "grouped_mm" the same call is captured."""
+    from proposers.test_mtp import make_mtp_target
+
+    target, _ = make_mtp_target("deepseek_v3")
+    draft, _ = make_mtp_target("deepseek_v3", seed=3)
+    inputs = make_prompts(2, seed=5)
+    gen = dict(max_new_tokens=12, do_sample=False, eos_token_id=None)
+    expected = target.generate(**inputs, **gen)
+    for implementation in ("eager", "grouped_mm"):
+        for model in (target, draft):
+            model.set_experts_implementation(implementation)
+        spec = hf_specdec.SpecDecoder(draft_model=draft, num_speculative_tokens=3)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = spec_generate(target, inputs, spec, **gen, cache_implementation="static")
+        assert torch.equal(out, expected), implementation
+        said = [str(w.message) for w in caught if "could not capture" in str(w.message)]
+        if implementation == "eager":
+            assert spec.last_stats.num_graph_replays == 0
+            assert said and "experts_implementation='grouped_mm'" in said[0]
+        else:
+            assert spec.last_stats.num_graph_replays > 0 and not said
