@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import inspect
 
+import torch
 from transformers import PreTrainedModel, cache_utils
 
 from hf_specdec import compat
@@ -126,12 +127,33 @@ def check_supported_cache(model: PreTrainedModel, role: str = "target", needs_po
                 f"The {role} model {name} does not take `{needed}`, which hf_specdec passes explicitly to keep "
                 "positions and masks exact over a ragged batch: generate without speculation for this model."
             )
+    bidirectional = bidirectional_attention(model)
+    if bidirectional:
+        raise ValueError(
+            f"The {role} model {name} attends bidirectionally ({', '.join(bidirectional)} with is_causal=False, "
+            "config.is_decoder=False): every token sees later ones, so its outputs change as text is appended and "
+            "speculative decoding cannot reproduce plain generate. Load it as a decoder: "
+            f"{name}.from_pretrained(..., is_decoder=True)."
+        )
     unsupported = sorted(set(model_layer_types(model)) - SUPPORTED_LAYER_TYPES)
     if unsupported:
         raise NotImplementedError(
             f"The {role} model {name} has cache layer types {unsupported}, which hf_specdec cannot roll back "
             f"exactly yet (supported: {sorted(SUPPORTED_LAYER_TYPES)}): generate without speculation for this model."
         )
+
+
+def bidirectional_attention(model: PreTrainedModel) -> list[str]:
+    """The self-attention classes of a decoder-only model that attend both ways: BERT-style models loaded without
+    `is_decoder=True` (a decoder's cross-attention is non-causal too, but its config says `is_decoder`)."""
+    if getattr(model.config, "is_decoder", False):
+        return []
+    try:
+        decoder = model.get_decoder()
+    except (AttributeError, NotImplementedError, ValueError):
+        decoder = model
+    modules = decoder.modules() if isinstance(decoder, torch.nn.Module) else model.modules()
+    return sorted({type(m).__name__ for m in modules if getattr(m, "is_causal", None) is False and hasattr(m, "layer_idx")})
 
 
 def check_attention_implementation(model: PreTrainedModel) -> None:
