@@ -153,7 +153,9 @@ def bidirectional_attention(model: PreTrainedModel) -> list[str]:
     except (AttributeError, NotImplementedError, ValueError):
         decoder = model
     modules = decoder.modules() if isinstance(decoder, torch.nn.Module) else model.modules()
-    return sorted({type(m).__name__ for m in modules if getattr(m, "is_causal", None) is False and hasattr(m, "layer_idx")})
+    return sorted(
+        {type(m).__name__ for m in modules if getattr(m, "is_causal", None) is False and hasattr(m, "layer_idx")}
+    )
 
 
 def check_attention_implementation(model: PreTrainedModel) -> None:

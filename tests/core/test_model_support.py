@@ -245,6 +245,7 @@ def test_a_bidirectional_causal_lm_is_refused_and_works_as_a_decoder() -> None:
 
     inputs = prompts()
     spec = hf_specdec.SpecDecoder(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1)
+    calls: list[int] = []  # forwards of the refused model
     for is_decoder in (False, True):
         config = RobertaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                num_attention_heads=4, is_decoder=is_decoder, pad_token_id=1)  # fmt: skip
@@ -253,7 +254,6 @@ def test_a_bidirectional_causal_lm_is_refused_and_works_as_a_decoder() -> None:
         model.generation_config.pad_token_id = 0
         gen = dict(max_new_tokens=NEW_TOKENS, do_sample=False)
         if not is_decoder:
-            calls = []
             model.register_forward_pre_hook(lambda *args: calls.append(1))
             try:
                 model.generate(**inputs, **gen, custom_generate=hf_specdec.generate, spec_decoder=spec)
