@@ -1,8 +1,9 @@
 """Threads on the captured static path (a GPU): several calls at once on one model, each identical to a lone call.
 
 On CUDA a call with no cache flag captures its steps as CUDA graphs (`hf_specdec.cache_route`); a capture must not
-fail because another thread launches work meanwhile, nor capture that work (`hf_specdec.locks`). CPU threads are
-tested in tests/core/test_concurrency.py."""
+fail because another thread launches work meanwhile, nor capture that work (`hf_specdec.locks`). The last test
+runs the same on the CPU with CUDA graphs emulated (graph reuse across threads); CPU threads on the dynamic path
+are tested in tests/core/test_concurrency.py."""
 
 from __future__ import annotations
 
@@ -62,3 +63,35 @@ def test_eight_threads_on_the_captured_path_give_lone_outputs(cache_implementati
 
     results, errors = _threads(target, work, num_threads=8, calls=3)
     assert errors == [] and len(results) == 24 and all(results), (errors, results)
+
+
+def test_eight_threads_on_emulated_captured_steps_give_lone_outputs(emulated_graphs, monkeypatch):
+    """The same on the CPU with CUDA graphs emulated (tests/emulated_graphs.py): 8 threads x 3 calls on the static
+    path, serialised per model, each call adopting the graphs an earlier call of its shapes kept (graph reuse is on
+    by default): no error, every output equal to the lone call's."""
+    from hf_specdec import graph_reuse
+
+    target = make_model("llama", seed=0)
+    spec = hf_specdec.SpecDecoder(
+        draft_model=make_noisy_copy(target), num_speculative_tokens=3, num_speculative_tokens_schedule="constant"
+    )
+    gen = dict(max_new_tokens=12, do_sample=False, eos_token_id=None, cache_implementation="static")
+    inputs = {b: make_prompts(b, seed=b, min_len=6, max_len=6) for b in BATCH_SIZES}  # one width: equal shapes
+    alone = {b: spec_generate(target, inputs[b], spec, **gen) for b in BATCH_SIZES}
+    assert spec.last_stats.num_graph_replays > 0
+    assert len(graph_reuse._ENTRIES[target]) == len(BATCH_SIZES)  # one kept entry per shape
+
+    from hf_specdec.step_graph import StepGraph
+
+    adopted = []
+    reuse = StepGraph._reuse
+    monkeypatch.setattr(StepGraph, "_reuse", lambda self: (reuse(self), adopted.append(self.entry is not None)))
+
+    def work(i: int, j: int) -> bool:
+        b = BATCH_SIZES[(i + j) % len(BATCH_SIZES)]
+        return torch.equal(spec_generate(target, inputs[b], spec, **gen), alone[b])
+
+    results, errors = _threads(target, work, num_threads=8, calls=3)
+    assert errors == [] and len(results) == 24 and all(results), (errors, results)
+    assert adopted == [True] * 24  # serialised per model: each call finds its shape's entry free
+    graph_reuse.clear(target)
