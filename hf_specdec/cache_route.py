@@ -32,12 +32,10 @@ DEFAULT_STATIC_ENV = "HF_SPECDEC_DEFAULT_STATIC"
 
 #: Methods whose whole step can be captured on the static path (others run eagerly there, so the default keeps them
 #: on the dynamic path).
-CAPTURABLE_METHODS = ("draft", "ngram")
+CAPTURABLE_METHODS = ("draft", "ngram", "mtp")
 
 #: Why each other method's steps are not captured (what a capture would need: a static-cache port of its state).
 UNCAPTURED_METHODS = {
-    "mtp": "the MTP layers keep dynamic caches, each fed per step as many tokens as were committed (a host read), "
-    "and their ring of hidden states is written at host-sized indices",
     "early_exit": "the early-exit draft keeps a dynamic cache of its layers, fed per step a width read on the host",
     "eagle3": "the EAGLE-3 head keeps a dynamic cache, fed per step the target states of the committed tokens (a "
     "width read on the host)",
@@ -180,6 +178,8 @@ def static_plan(
             return None
         if m is model and spec.method == "mtp":  # MTP reads the target's hidden states through a forward hook
             return None
+        if not hasattr(m, "_valid_auto_compile_criteria"):  # MTP layers: run layer by layer, never compiled
+            return None
         if is_hybrid(m):  # the recurrent rollback hooks the mixers and re-runs them: hybrids run eagerly
             return None
         if plan.capture_steps:  # the loop captures whole steps: forwards compiled without graphs of their own
@@ -191,7 +191,6 @@ def static_plan(
     plan.can_capture = (
         not plan.hybrid
         and model.device.type == step_graph.GRAPHS.device_type
-        and spec.method != "mtp"
         and os.environ.get(CAPTURE_ENV, "1") != "0"
     )
     return plan

@@ -110,13 +110,7 @@ class StaticCacheView(CacheView):
         input_ids = torch.where(valid, token_ids.gather(1, index.clamp(max=token_ids.shape[1] - 1)), 0)  # [B, w]
         real = valid & (index >= self.pad_lengths[:, None])
         position_ids = torch.where(valid, (index - self.pad_lengths[:, None]).clamp(min=0), 0)  # [B, w]
-        write = self.offset + offsets  # [w] the columns this forward writes
-        self.column_index.index_copy_(1, write, torch.where(real, index, -1))
-        mask = self._attention_mask(torch.where(valid, index, -1), self.column_index, write)
-        # The write offset of every layer: one fused device copy (no host sync, one launch for all layers).
-        counters = [layer.cumulative_length for layer in self.cache.layers if _holds_keys(layer)]
-        if counters:
-            torch._foreach_copy_(counters, [self.offset] * len(counters))
+        mask = self.write_columns(index, valid, real)
         if self.recurrent is not None:  # recurrent layers: 2-D padding mask, snapshot and recorded inputs (eager)
             padding = real.long()  # [B, w] all ones where nothing is padded: exact, and no host read to find out
             if isinstance(mask, dict):
@@ -139,11 +133,32 @@ class StaticCacheView(CacheView):
             self.plan.compile_time_s += time.perf_counter() - start
         # A graph's outputs are overwritten by its next replay: keep a copy.
         logits = logits.float() if logits.dtype != torch.float32 or not own_graph else logits.clone()
+        self.advance(width)
+        self.cached_lengths = self.cached_lengths + num_new
+        return logits
+
+    def write_columns(
+        self,
+        index: torch.Tensor,  # [B, w] buffer index of each fed slot
+        valid: torch.Tensor,  # [B, w] the slot is fed
+        real: torch.Tensor,  # [B, w] the slot's key is kept (not padding)
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
+        """Columns [offset, offset + w) take the slots' buffer indices (-1: a hole), every layer's write offset
+        moves there, and the slots' mask over the whole static length is returned. Call `_make_room` first."""
+        write = self.offset + torch.arange(index.shape[1], device=index.device)  # [w] the columns written
+        self.column_index.index_copy_(1, write, torch.where(real, index, -1))
+        mask = self._attention_mask(torch.where(valid, index, -1), self.column_index, write)
+        # The write offset of every layer: one fused device copy (no host sync, one launch for all layers).
+        counters = [layer.cumulative_length for layer in self.cache.layers if _holds_keys(layer)]
+        if counters:
+            torch._foreach_copy_(counters, [self.offset] * len(counters))
+        return mask
+
+    def advance(self, width: int) -> None:
+        """After a forward of `width` slots: the next one writes after them."""
         self.offset = self.offset + width
         self.offset_bound += width
         self.prefilled = True
-        self.cached_lengths = self.cached_lengths + num_new
-        return logits
 
     def rollback(self, cached_lengths: torch.Tensor) -> None:
         """Keep only buffer indices < cached_lengths[i] ([B]); the offset moves back to the longest row's end."""

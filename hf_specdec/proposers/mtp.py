@@ -5,8 +5,9 @@ transformers loads into `transformers.modeling_layers.MtpModel`. MTP layer d at 
 embedding of token p with a previous hidden state (the target's last hidden state at p-1 for d = 0, MTP
 layer d-1's output at p-1 otherwise) and predicts token p+1. Draft step j runs layer j mod n on the newest
 token, so k > n cycles through the layers. Each layer keeps its own KV cache (`MtpLayerView`, a
-`CacheView`); the target's last hidden states come from a forward hook on its decoder, live only while
-the `generate` call runs.
+`CacheView`; on static caches `StaticMtpLayerView`, fed a fixed catch-up width so that a whole step can be
+captured as one CUDA graph); the target's last hidden states come from a forward hook on its decoder, live only
+while the `generate` call runs.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from hf_specdec.proposers import ProposerContext, register
 from hf_specdec.proposers.base import Proposal, Proposer, widest
 from hf_specdec.proposers.draft_model import sampling_exponentials
 from hf_specdec.sampling.processors import StepSampling
+from hf_specdec.static_cache import StaticCacheView, StaticPlan
 
 if TYPE_CHECKING:
     from hf_specdec.config import SpecDecoder
@@ -84,18 +86,13 @@ def resolve_mtp_model(target: PreTrainedModel, mtp_model: Any = None) -> PreTrai
     return mtp_model
 
 
-class MtpLayerView(CacheView):
-    """The KV cache of one MTP layer over the ragged batch: a `CacheView` fed hidden states, not token ids.
+class _MtpLayerFeed:
+    """Feeding one MTP layer its tokens and their previous hidden states (the dynamic and the static view's own
+    column bookkeeping: `_claim_columns` before the layer's forward, `_fed` after)."""
 
-    Column map, masks, rollback and compaction are `CacheView`'s. Layer d has no entry for the first d+1
-    real tokens of a row (there is no previous hidden state for them), so those columns stay holes. Fed
-    slots need not follow the cached prefix: a cycling draft step (k > n) feeds one token further on.
-    """
-
-    def __init__(self, mtp_model: PreTrainedModel, layer_idx: int, batch_size: int, pad_lengths: torch.Tensor):
-        super().__init__(mtp_model, batch_size, pad_lengths)
-        self.layer_idx = layer_idx
-        self.layer_type = self.layer_types[layer_idx] if self.layer_types is not None else None
+    model: PreTrainedModel
+    layer_idx: int
+    layer_type: str | None
 
     def feed(
         self,
@@ -112,10 +109,8 @@ class MtpLayerView(CacheView):
         valid = offsets < num_new[:, None]  # [B, w]
         input_ids = torch.where(valid, token_ids.gather(1, index.clamp(max=token_ids.shape[1] - 1)), 0)  # [B, w]
         real = valid & (index > self.pad_lengths[:, None] + self.layer_idx)  # [B, w]
-        new_columns = torch.where(real, index, -1)  # [B, w]
         position_ids = torch.where(valid, (index - self.pad_lengths[:, None]).clamp(min=0), 0)  # [B, w]
-        keys = torch.cat([self.column_index, new_columns], dim=1)  # [B, W + w]
-        mask = self._attention_mask(torch.where(valid, index, -1), keys)
+        mask = self._claim_columns(index, valid, real)
         if isinstance(mask, dict):
             mask = mask[self.layer_type]
         embeds = mtp.embed_tokens(input_ids).to(previous_hidden.dtype)  # [B, w, H]
@@ -132,14 +127,64 @@ class MtpLayerView(CacheView):
             position_ids=position_ids,
             **compat.cache_kwargs(mtp.layers[self.layer_idx], self.cache),
             use_cache=True,
+            **self.forward_kwargs,
         )  # [B, w, H]
         if mtp.use_shared_post_norm:
             hidden = mtp.shared_post_norm(hidden)
-        self.column_index = keys
+        self._fed(width)
         self.cached_lengths = torch.where(
             num_new > 0, torch.maximum(self.cached_lengths, start + num_new), self.cached_lengths
         )
         return hidden
+
+
+class MtpLayerView(_MtpLayerFeed, CacheView):
+    """The KV cache of one MTP layer over the ragged batch: a `CacheView` fed hidden states, not token ids.
+
+    Column map, masks, rollback and compaction are `CacheView`'s. Layer d has no entry for the first d+1
+    real tokens of a row (there is no previous hidden state for them), so those columns stay holes. Fed
+    slots need not follow the cached prefix: a cycling draft step (k > n) feeds one token further on.
+    """
+
+    def __init__(self, mtp_model: PreTrainedModel, layer_idx: int, batch_size: int, pad_lengths: torch.Tensor):
+        super().__init__(mtp_model, batch_size, pad_lengths)
+        self.layer_idx = layer_idx
+        self.layer_type = self.layer_types[layer_idx] if self.layer_types is not None else None
+
+    def _claim_columns(self, index: torch.Tensor, valid: torch.Tensor, real: torch.Tensor):  # noqa: ANN202
+        """The fed slots become new columns at the end of the map (the DynamicCache appends them)."""
+        self.column_index = torch.cat([self.column_index, torch.where(real, index, -1)], dim=1)  # [B, W + w]
+        return self._attention_mask(torch.where(valid, index, -1), self.column_index)
+
+    def _fed(self, width: int) -> None:
+        pass
+
+
+class StaticMtpLayerView(_MtpLayerFeed, StaticCacheView):
+    """One MTP layer's KV cache on a static cache (fixed shapes: its steps can be captured with the target's).
+
+    Every feed writes its slots at the shared write offset, as `StaticCacheView.forward` does; rollback, holes
+    and compaction are `StaticCacheView`'s."""
+
+    def __init__(
+        self,
+        mtp_model: PreTrainedModel,
+        layer_idx: int,
+        batch_size: int,
+        pad_lengths: torch.Tensor,
+        plan: StaticPlan,
+    ):
+        super().__init__(mtp_model, batch_size, pad_lengths, plan)
+        self.layer_idx = layer_idx
+        self.layer_type = self.layer_types[layer_idx] if self.layer_types is not None else None
+
+    def _claim_columns(self, index: torch.Tensor, valid: torch.Tensor, real: torch.Tensor):  # noqa: ANN202
+        if self.offset_bound + index.shape[1] > self.max_columns:
+            self._make_room(index.shape[1])
+        return self.write_columns(index, valid, real)
+
+    def _fed(self, width: int) -> None:
+        self.advance(width)
 
 
 class MTPProposer(Proposer):
@@ -163,14 +208,21 @@ class MTPProposer(Proposer):
         self.num_layers = len(mtp_model.layers)
         self.num_speculative_tokens = num_speculative_tokens
         self.ring_size = num_speculative_tokens + self.num_layers + 4
-        self.views: list[MtpLayerView] = []
-        self.rings: torch.Tensor | None = None  # [n, B, R, H] ring d: previous hidden states for layer d
+        #: static caches: the tokens each layer's catch-up feeds per step, fixed (a catch-up covers what the last
+        #: step committed, at most max(k, n) + 1 tokens; a wider backlog would only leave drafts less informed)
+        self.catch_up_width = max(num_speculative_tokens, self.num_layers) + 2
+        self.views: list[MtpLayerView | StaticMtpLayerView] = []
+        #: [n, B, R + 1, H] ring d: previous hidden states for layer d (slot R takes the writes of unused slots)
+        self.rings: torch.Tensor | None = None
         self.lengths: torch.Tensor | None = None  # [B] the batch's lengths as of the last commit
-        self.fed_end: list[torch.Tensor] = []  # per layer [B]: end of the entries fed in the first cycle
+        self.fed_end: torch.Tensor | None = None  # [n, B] per layer: end of the entries fed in the first cycle
         self.proposed = False
         self.seen_prompt = False  # whether the target's prefill states were fed to the layers
         self._captured: torch.Tensor | None = None  # [B, w, H] the target decoder's latest output
         self._hook: Any = None
+
+    #: on static caches a step feeds fixed widths and stores without host reads: it can be captured
+    capturable = True
 
     @property
     def returns_probs(self) -> bool:  # type: ignore[override]
@@ -212,10 +264,13 @@ class MTPProposer(Proposer):
         n, size = self.num_layers, batch.batch_size
         hidden_size = self.mtp_model.config.hidden_size
         dtype = self.mtp_model.dtype
-        self.views = [MtpLayerView(self.mtp_model, d, size, batch.pad_lengths) for d in range(n)]
-        self.rings = torch.zeros(n, size, self.ring_size, hidden_size, dtype=dtype, device=batch.device)
+        if self.static is not None:
+            self.views = [StaticMtpLayerView(self.mtp_model, d, size, batch.pad_lengths, self.static) for d in range(n)]
+        else:
+            self.views = [MtpLayerView(self.mtp_model, d, size, batch.pad_lengths) for d in range(n)]
+        self.rings = torch.zeros(n, size, self.ring_size + 1, hidden_size, dtype=dtype, device=batch.device)
         self.lengths = batch.lengths.clone()
-        self.fed_end = [torch.zeros_like(batch.lengths) for _ in range(n)]
+        self.fed_end = torch.zeros(n, size, dtype=torch.long, device=batch.device)
         self.seen_prompt = False
 
     def _feed_prompt(self, batch: RaggedBatch, prompt: torch.Tensor) -> torch.Tensor:  # [B, 1, H]
@@ -240,7 +295,8 @@ class MTPProposer(Proposer):
         self, batch: RaggedBatch, max_draft_tokens: torch.Tensor, sampling: StepSampling, width: int | None = None
     ) -> Proposal:
         assert self.rings is not None, "prefill() must run before propose()"
-        k = widest(max_draft_tokens, width)
+        # static caches: fixed shapes, k draft steps (rows with smaller budgets draft nothing past them)
+        k = self.num_speculative_tokens if self.static is not None else widest(max_draft_tokens, width)
         if k == 0 or not self.seen_prompt:  # step 0: drafts need the target's state of the newest token
             return Proposal.empty(batch.batch_size, batch.device)
         self.proposed = True
@@ -287,7 +343,8 @@ class MTPProposer(Proposer):
     def select_rows(self, keep: torch.Tensor) -> None:
         for view in self.views:
             view.select_rows(keep)
-        self.fed_end = [end[keep] for end in self.fed_end]
+        if self.fed_end is not None:
+            self.fed_end = self.fed_end[:, keep]
         if self.rings is not None:
             self.rings = self.rings[:, keep]
         if self.lengths is not None:
@@ -301,7 +358,11 @@ class MTPProposer(Proposer):
         view = self.views[d]
         start = view.cached_lengths
         num = (end - start).clamp(min=0)  # [B]
-        width = int(num.max().item())
+        if self.static is not None:  # a fixed width: no host read
+            width = self.catch_up_width
+            num = num.clamp(max=width)
+        else:
+            width = int(num.max().item())
         self.fed_end[d] = torch.maximum(start, end)
         if width == 0:
             return self.rings.new_zeros(start.shape[0], 1, self.rings.shape[-1]), num
@@ -318,9 +379,10 @@ class MTPProposer(Proposer):
         assert self.rings is not None
         offsets = torch.arange(hidden.shape[1], device=hidden.device)
         valid = (offsets < num[:, None]) & (offsets >= num[:, None] - self.ring_size)  # [B, w]
-        rows, cols = valid.nonzero(as_tuple=True)
-        slots = (start[rows] + cols) % self.ring_size
-        self.rings[d, rows, slots] = hidden[rows, cols].to(self.rings.dtype)
+        # Distinct ring slots for the kept states (at most R of them); the others all go to the spare slot R.
+        slots = torch.where(valid, (start[:, None] + offsets) % self.ring_size, self.ring_size)  # [B, w]
+        index = slots[:, :, None].expand(-1, -1, self.rings.shape[-1])  # [B, w, H]
+        self.rings[d].scatter_(1, index, hidden.to(self.rings.dtype))
 
 
 def _draw(

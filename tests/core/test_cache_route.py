@@ -43,6 +43,7 @@ def test_the_default_on_cuda_is_the_captured_static_path_with_eager_forwards(mod
     route = choose_route(target, spec, GenerationConfig())
     assert (route.static, route.compile, route.by_default) == (True, False, True)
     assert choose_route(target, hf_specdec.SpecDecoder(), GenerationConfig()).static  # prompt lookup too
+    assert choose_route(target, hf_specdec.SpecDecoder(method="mtp"), GenerationConfig()).static  # and MTP
     compiled = choose_route(target, spec, GenerationConfig(compile_config=CompileConfig()))
     assert (compiled.static, compiled.compile) == (True, True)
     explicit = choose_route(target, spec, GenerationConfig(cache_implementation="static"))

@@ -137,3 +137,51 @@ def test_eager_experts_refuse_capture_and_the_warning_names_the_fix(emulated_gra
             assert said and "experts_implementation='grouped_mm'" in said[0]
         else:
             assert spec.last_stats.num_graph_replays > 0 and not said
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
+@pytest.mark.parametrize("k", [2, 3])
+def test_captured_mtp_steps_equal_plain(emulated_graphs, arch, k):
+    """MTP on static caches: each layer's cache is a `StaticMtpLayerView` fed a fixed catch-up width, and its ring
+    store needs no host read, so the whole step (catch-up, k draft steps cycling through the layers, verify, commit)
+    is captured; greedy output equals plain's, and the drafts are the dynamic path's (the same acceptance)."""
+    from proposers.test_mtp import make_mtp_target
+
+    target, mtp = make_mtp_target(arch)
+    inputs = make_prompts(3, seed=13)
+    expected = target.generate(**inputs, max_new_tokens=24, do_sample=False, eos_token_id=None)
+    accepted = {}
+    for schedule in ("constant", "adaptive"):
+        for cache in ("dynamic", "static"):
+            spec = hf_specdec.SpecDecoder(
+                method="mtp", mtp_model=mtp, num_speculative_tokens=k, num_speculative_tokens_schedule=schedule
+            )
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", RuntimeWarning)  # a refused capture would warn
+                out = spec_generate(
+                    target, inputs, spec, max_new_tokens=24, **{**GREEDY, "cache_implementation": cache}
+                )
+            assert torch.equal(out, expected), (schedule, cache)
+            assert (spec.last_stats.num_graph_replays > 0) == (cache == "static"), (schedule, cache)
+            accepted[schedule, cache] = spec.last_stats.num_accepted_tokens
+    assert accepted["constant", "static"] == accepted["constant", "dynamic"] > 0
+
+
+def test_captured_mtp_sampling_draws_what_the_uncaptured_step_draws(emulated_graphs, monkeypatch):
+    from proposers.test_mtp import make_mtp_target
+
+    target, mtp = make_mtp_target("deepseek_v3")
+    inputs = make_prompts(2, seed=17)
+    gen = dict(max_new_tokens=20, do_sample=True, temperature=0.9, top_p=0.95, eos_token_id=None,
+               cache_implementation="static")  # fmt: skip
+
+    def run() -> tuple[torch.Tensor, int]:
+        spec = hf_specdec.SpecDecoder(method="mtp", mtp_model=mtp, num_speculative_tokens=3, seed=5,
+                                      num_speculative_tokens_schedule="constant")  # fmt: skip
+        return spec_generate(target, inputs, spec, **gen), spec.last_stats.num_graph_replays
+
+    captured, replays = run()
+    monkeypatch.setenv("HF_SPECDEC_CAPTURE_STEPS", "0")
+    uncaptured, none = run()
+    assert replays > 0 and none == 0
+    assert torch.equal(captured, uncaptured)

@@ -110,10 +110,10 @@ def test_static_shapes_are_fixed_after_the_prefill(llama, llama_draft, monkeypat
     assert widths == {"target": {5}, "draft": {2, 1}}
 
 
-@pytest.mark.parametrize("method", ["draft", "ngram"])
+@pytest.mark.parametrize("method", ["draft", "ngram", "mtp"])
 def test_static_path_syncs_the_host_once_per_step(llama, llama_draft, monkeypatch, method):
-    """After step 0, a greedy draft-model step, or a prompt-lookup step with the constant schedule (the device
-    matcher), reads the device from the host once (which rows are done).
+    """After step 0, a greedy draft-model step, a prompt-lookup step with the constant schedule (the device
+    matcher), or an MTP step (fixed catch-up widths) reads the device from the host once (which rows are done).
 
     Every host read of a tensor is counted (`item`, `tolist`, `bool`, `int`, `cpu`, `numpy`), except inside the
     CPU reference sampler, which only runs where there is no GPU (on CUDA the Triton kernels run, and read nothing).
@@ -143,13 +143,19 @@ def test_static_path_syncs_the_host_once_per_step(llama, llama_draft, monkeypatc
 
     monkeypatch.setattr(SpeculativeLoop, "step", step)
     inputs = make_prompts(4, seed=6)
+    target = llama
     if method == "draft":
         spec = hf_specdec.SpecDecoder(draft_model=llama_draft, num_speculative_tokens=4)
+    elif method == "mtp":
+        from proposers.test_mtp import make_mtp_target
+
+        target, mtp = make_mtp_target("deepseek_v3")
+        spec = hf_specdec.SpecDecoder(method="mtp", mtp_model=mtp, num_speculative_tokens=3)
     else:
         spec = hf_specdec.SpecDecoder(
             method="ngram", num_speculative_tokens=4, num_speculative_tokens_schedule="constant"
         )
-    spec_generate(llama, inputs, spec, max_new_tokens=20, eos_token_id=None, **STATIC)
+    spec_generate(target, inputs, spec, max_new_tokens=20, eos_token_id=None, **STATIC)
     monkeypatch.undo()
     assert len(per_step) > 3 and spec.last_stats.num_draft_tokens > 0
     assert [reads for reads in per_step[1:] if len(reads) != 1] == []

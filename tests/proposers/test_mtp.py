@@ -18,7 +18,7 @@ from transformers.cache_utils import MtpCache
 from transformers.modeling_layers import MtpModel
 
 import hf_specdec
-from hf_specdec.proposers.mtp import MTPProposer
+from hf_specdec.proposers.mtp import MTPProposer, StaticMtpLayerView
 
 NUM_MTP_LAYERS = 2
 MTP_ARCHS = {
@@ -97,28 +97,41 @@ class Recorder:
 
         def checking_commit(proposer, batch, num_accepted):  # noqa: ANN001, ANN202
             commit(proposer, batch, num_accepted)
-            self.num_accepted += int(num_accepted.sum())
+            self.num_accepted += int(num_accepted.clamp(min=0).sum())  # a frozen row of a static batch says -1
             self.num_commits += 1
             for d, view in enumerate(proposer.views):
                 # The MTP caches never hold a position the sequence does not, and their KV matches the map.
                 assert bool((view.cached_lengths <= batch.lengths).all())
                 assert bool((view.column_index < batch.lengths[:, None]).all())
                 assert bool(((view.column_index >= 0).sum(1) <= batch.lengths - batch.pad_lengths - 1 - d).all())
-                assert view.cache.layers[d].keys.shape[-2] == view.width
+                if not isinstance(view, StaticMtpLayerView):  # a static cache keeps its full length
+                    assert view.cache.layers[d].keys.shape[-2] == view.width
 
         monkeypatch.setattr(MTPProposer, "propose", recording_propose)
         monkeypatch.setattr(MTPProposer, "commit", checking_commit)
 
 
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("batch_size", [1, 4])
 @pytest.mark.parametrize("k", [NUM_MTP_LAYERS, 2 * NUM_MTP_LAYERS])
-def test_greedy_matches_generate_and_transformers_mtp(mtp_target, batch_size, k, monkeypatch) -> None:
+def test_greedy_matches_generate_and_transformers_mtp(mtp_target, batch_size, k, cache, monkeypatch) -> None:
+    """Greedy output is plain's and every draft is transformers' own MTP chain's, on dynamic caches and on static
+    ones (fixed catch-up widths: the bound `catch_up_width` is never exceeded)."""
     model, mtp = mtp_target
     inputs = make_prompts(batch_size, seed=batch_size)
     expected = model.generate(**inputs, max_new_tokens=14, do_sample=False)
     recorder = Recorder(monkeypatch)
+    backlog = []
+    catch_up = MTPProposer._catch_up
+
+    def recording_catch_up(self, batch, d, end):  # noqa: ANN001, ANN202
+        backlog.append(int((end - self.views[d].cached_lengths).max()))
+        return catch_up(self, batch, d, end)
+
+    monkeypatch.setattr(MTPProposer, "_catch_up", recording_catch_up)
     spec = hf_specdec.SpecDecoder(method="mtp", num_speculative_tokens=k, mtp_model=mtp)
-    out = spec_generate(model, inputs, spec, max_new_tokens=14, do_sample=False)
+    out = spec_generate(model, inputs, spec, max_new_tokens=14, do_sample=False, cache_implementation=cache)
+    assert max(backlog) <= max(k, NUM_MTP_LAYERS) + 2
     assert torch.equal(out, expected)
     assert recorder.num_accepted > 0, "the test MTP layers should get some drafts accepted"
     assert spec.last_stats.num_draft_tokens > recorder.num_accepted, "and some rejected"
