@@ -151,7 +151,12 @@ class MtpLayerView(_MtpLayerFeed, CacheView):
         self.layer_idx = layer_idx
         self.layer_type = self.layer_types[layer_idx] if self.layer_types is not None else None
 
-    def _claim_columns(self, index: torch.Tensor, valid: torch.Tensor, real: torch.Tensor):  # noqa: ANN202
+    def _claim_columns(
+        self,
+        index: torch.Tensor,  # [B, w] buffer index of each fed slot
+        valid: torch.Tensor,  # [B, w]
+        real: torch.Tensor,  # [B, w]
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
         """The fed slots become new columns at the end of the map (the DynamicCache appends them)."""
         self.column_index = torch.cat([self.column_index, torch.where(real, index, -1)], dim=1)  # [B, W + w]
         return self._attention_mask(torch.where(valid, index, -1), self.column_index)
@@ -178,7 +183,10 @@ class StaticMtpLayerView(_MtpLayerFeed, StaticCacheView):
         self.layer_idx = layer_idx
         self.layer_type = self.layer_types[layer_idx] if self.layer_types is not None else None
 
-    def _claim_columns(self, index: torch.Tensor, valid: torch.Tensor, real: torch.Tensor):  # noqa: ANN202
+    def _claim_columns(
+        self, index: torch.Tensor, valid: torch.Tensor, real: torch.Tensor
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The fed slots take the columns at the shared write offset (compacting first if they would not fit)."""
         if self.offset_bound + index.shape[1] > self.max_columns:
             self._make_room(index.shape[1])
         return self.write_columns(index, valid, real)
