@@ -145,16 +145,23 @@ def check_supported_cache(model: PreTrainedModel, role: str = "target", needs_po
 
 def bidirectional_attention(model: PreTrainedModel) -> list[str]:
     """The self-attention classes of a decoder-only model that attend both ways: BERT-style models loaded without
-    `is_decoder=True` (a decoder's cross-attention is non-causal too, but its config says `is_decoder`)."""
+    `is_decoder=True`. Cross-attention modules (`encoder_attn`, `crossattention`: a Whisper or BART decoder's) are
+    non-causal by nature and not counted."""
     if getattr(model.config, "is_decoder", False):
         return []
     try:
         decoder = model.get_decoder()
     except (AttributeError, NotImplementedError, ValueError):
         decoder = model
-    modules = decoder.modules() if isinstance(decoder, torch.nn.Module) else model.modules()
+    modules = (decoder if isinstance(decoder, torch.nn.Module) else model).named_modules()
     return sorted(
-        {type(m).__name__ for m in modules if getattr(m, "is_causal", None) is False and hasattr(m, "layer_idx")}
+        {
+            type(m).__name__
+            for name, m in modules
+            if getattr(m, "is_causal", None) is False
+            and hasattr(m, "layer_idx")
+            and not any(cross in name for cross in ("encoder_attn", "cross"))  # a decoder's cross-attention
+        }
     )
 
 
