@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from transformers import GenerationConfig, PreTrainedModel
+from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 
 from hf_specdec import compat, step_graph
 from hf_specdec.recurrent import is_hybrid
@@ -178,7 +178,7 @@ def static_plan(
             return None
         if m is model and spec.method == "mtp":  # MTP reads the target's hidden states through a forward hook
             return None
-        if not hasattr(m, "_valid_auto_compile_criteria"):  # MTP layers: run layer by layer, never compiled
+        if not isinstance(m, GenerationMixin):  # MTP layers: run layer by layer, never compiled
             return None
         if is_hybrid(m):  # the recurrent rollback hooks the mixers and re-runs them: hybrids run eagerly
             return None
