@@ -304,3 +304,20 @@ def test_twenty_calls_of_varied_shapes_share_a_few_cache_lengths(monkeypatch):
         assert torch.equal(spec_generate(target, inputs, spec, **gen, cache_implementation="static"), expected)
     assert len(shapes) == 20
     assert sorted(set(shapes)) == [(1, 256), (2, 256), (3, 256)]
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
+def test_mtp_steps_are_captured_on_cuda(arch):
+    """MTP with no cache flag on CUDA takes the captured static path: its steps replay as CUDA graphs and the
+    tokens equal plain `generate` (fp32 tiny targets; the experts implementation is transformers' default)."""
+    from proposers.test_mtp import make_mtp_target
+
+    target, mtp = make_mtp_target(arch)
+    target, mtp = target.cuda(), mtp.cuda()
+    inputs = {name: t.cuda() for name, t in make_prompts(3, seed=19).items()}
+    gen = dict(max_new_tokens=24, do_sample=False, eos_token_id=None)
+    expected = target.generate(**inputs, **gen)
+    spec = hf_specdec.SpecDecoder(method="mtp", mtp_model=mtp, num_speculative_tokens=3)
+    assert torch.equal(spec_generate(target, inputs, spec, **gen), expected)
+    assert spec.last_stats.num_graph_replays > 0
