@@ -77,9 +77,17 @@ def test_seeded_sampling_is_the_same_captured(emulated_graphs, monkeypatch, proc
     inputs = make_prompts(3, seed=7)
     gen = dict(max_new_tokens=24, do_sample=True, eos_token_id=None, cache_implementation="static", **processors)
 
+    spec = dict(draft_model=draft, num_speculative_tokens=3, seed=11)
+    assert_captured_draws_equal_uncaptured(target, inputs, spec, gen, monkeypatch)
+
+
+def assert_captured_draws_equal_uncaptured(target, inputs: dict, spec: dict, gen: dict, monkeypatch) -> None:  # noqa: ANN001
+    """A seeded call with its steps captured, then the same with capture off: replays only in the first, and the
+    same tokens (the draws are keyed by row seed and a device step counter, which replays advance)."""
+
     def run() -> tuple[torch.Tensor, int]:
-        spec = hf_specdec.SpecDecoder(draft_model=draft, num_speculative_tokens=3, seed=11)
-        return spec_generate(target, inputs, spec, **gen), spec.last_stats.num_graph_replays
+        decoder = hf_specdec.SpecDecoder(**spec)
+        return spec_generate(target, inputs, decoder, **gen), decoder.last_stats.num_graph_replays
 
     captured, replays = run()
     monkeypatch.setenv("HF_SPECDEC_CAPTURE_STEPS", "0")
@@ -174,14 +182,7 @@ def test_captured_mtp_sampling_draws_what_the_uncaptured_step_draws(emulated_gra
     inputs = make_prompts(2, seed=17)
     gen = dict(max_new_tokens=20, do_sample=True, temperature=0.9, top_p=0.95, eos_token_id=None,
                cache_implementation="static")  # fmt: skip
-
-    def run() -> tuple[torch.Tensor, int]:
-        spec = hf_specdec.SpecDecoder(method="mtp", mtp_model=mtp, num_speculative_tokens=3, seed=5,
-                                      num_speculative_tokens_schedule="constant")  # fmt: skip
-        return spec_generate(target, inputs, spec, **gen), spec.last_stats.num_graph_replays
-
-    captured, replays = run()
-    monkeypatch.setenv("HF_SPECDEC_CAPTURE_STEPS", "0")
-    uncaptured, none = run()
-    assert replays > 0 and none == 0
-    assert torch.equal(captured, uncaptured)
+    spec = dict(
+        method="mtp", mtp_model=mtp, num_speculative_tokens=3, seed=5, num_speculative_tokens_schedule="constant"
+    )
+    assert_captured_draws_equal_uncaptured(target, inputs, spec, gen, monkeypatch)
