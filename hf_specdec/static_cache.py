@@ -101,8 +101,6 @@ class StaticCacheView(CacheView):
     ) -> torch.Tensor:  # [B, width, V] float32 logits of the fed slots
         if width is None:
             width = int(num_new.max().item())
-        if self.offset_bound + width > self.max_columns:
-            self._make_room(width)
         device = token_ids.device
         offsets = torch.arange(width, device=device)  # [w]
         index = self.cached_lengths[:, None] + offsets  # [B, w] buffer index of each slot
@@ -144,7 +142,10 @@ class StaticCacheView(CacheView):
         real: torch.Tensor,  # [B, w] the slot's key is kept (not padding)
     ) -> torch.Tensor | dict[str, torch.Tensor]:
         """Columns [offset, offset + w) take the slots' buffer indices (-1: a hole), every layer's write offset
-        moves there, and the slots' mask over the whole static length is returned. Call `_make_room` first."""
+        moves there, and the slots' mask over the whole static length is returned (the cache compacts first when
+        w more columns might not fit)."""
+        if self.offset_bound + index.shape[1] > self.max_columns:
+            self._make_room(index.shape[1])
         write = self.offset + torch.arange(index.shape[1], device=index.device)  # [w] the columns written
         self.column_index.index_copy_(1, write, torch.where(real, index, -1))
         mask = self._attention_mask(torch.where(valid, index, -1), self.column_index, write)

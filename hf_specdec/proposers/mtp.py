@@ -187,8 +187,6 @@ class StaticMtpLayerView(_MtpLayerFeed, StaticCacheView):
         self, index: torch.Tensor, valid: torch.Tensor, real: torch.Tensor
     ) -> torch.Tensor | dict[str, torch.Tensor]:
         """The fed slots take the columns at the shared write offset (compacting first if they would not fit)."""
-        if self.offset_bound + index.shape[1] > self.max_columns:
-            self._make_room(index.shape[1])
         return self.write_columns(index, valid, real)
 
     def _fed(self, width: int) -> None:
