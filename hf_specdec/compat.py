@@ -138,6 +138,19 @@ def crop_cache(cache: DynamicCache, tokens_to_remove: int) -> None:
         layer.crop(tokens_to_remove)
 
 
+def experts_implementation(model: torch.nn.Module) -> str | None:
+    """How the model's mixture-of-experts layers compute (`config._experts_implementation`: "eager", "grouped_mm",
+    "batched_mm", ...); None for a model without such layers — transformers sets the attribute on dense models too,
+    so the layers are found by their forward, the one `integrations.moe.use_experts_implementation` installs."""
+    for module in model.modules():
+        forward = type(module).forward
+        if hasattr(forward, "__wrapped__") and forward.__code__.co_filename.endswith(
+            ("integrations/moe.py", "integrations\\moe.py")
+        ):
+            return getattr(getattr(module, "config", None), "_experts_implementation", None)
+    return None
+
+
 def transformers_version() -> str:
     import transformers
 

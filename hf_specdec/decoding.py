@@ -19,6 +19,7 @@ from transformers import PreTrainedModel
 from hf_specdec import graph_reuse
 from hf_specdec.batch import RaggedBatch
 from hf_specdec.cache import CacheView
+from hf_specdec.compat import experts_implementation
 from hf_specdec.continuation import CacheHandoff
 from hf_specdec.draft_budgets import DraftBudgets
 from hf_specdec.exact import ExactPath
@@ -174,8 +175,9 @@ class SpeculativeLoop:
         return self.finish()
 
     def _graph_signature(self) -> tuple:
-        """Everything a captured step bakes in besides its state tensors: shapes, Python numbers, the models and the
-        sampling and stopping settings. Calls with equal signatures can replay each other's graphs."""
+        """Everything a captured step bakes in besides its state tensors: shapes, Python numbers, the models (and
+        the kernels they were set to: `set_attn_implementation`, `set_experts_implementation`) and the sampling and
+        stopping settings. Calls with equal signatures can replay each other's graphs."""
         from hf_specdec.adaptive import model_serial
 
         def settings(obj: object) -> tuple:  # a processor or a proposer: its type, scalar settings, small tensors
@@ -184,11 +186,15 @@ class SpeculativeLoop:
                        if isinstance(v, torch.Tensor) and v.numel() <= 64 and type(obj).__module__.startswith("transformers")]  # fmt: skip
             return (type(obj).__name__, tuple(sorted(values)))
 
+        def kernels(model: torch.nn.Module) -> tuple:
+            attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
+            return model_serial(model), attention, experts_implementation(model)
+
         inner = getattr(self.proposer, "inner", self.proposer)
-        models = tuple(model_serial(m) for m in vars(inner).values() if isinstance(m, torch.nn.Module))
+        models = tuple(kernels(m) for m in vars(inner).values() if isinstance(m, torch.nn.Module))
         stops = self.stop_rules  # its EOS ids are state (copied in on adoption); whether it has any is a setting
         return (
-            model_serial(self.model), self.batch.batch_size, self.batch.capacity, self.max_length, self.k,
+            kernels(self.model), self.batch.batch_size, self.batch.capacity, self.max_length, self.k,
             self.static.max_columns, str(self.batch.device), self.sampling.do_sample,
             tuple(settings(p) for p in self.sampling.pure), settings(stops), tuple(stops.max_lengths),
             settings(self.proposer), settings(inner), models, type(self.budgets.schedule).__name__,

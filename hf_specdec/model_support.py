@@ -183,12 +183,26 @@ def capture_hint(models: list[PreTrainedModel]) -> str:
 
     transformers' "eager" experts implementation routes tokens to experts with host reads (`nonzero` per expert),
     which CUDA graphs refuse; its "grouped_mm" and "batched_mm" implementations compute the same experts on the
-    device."""
-    eager = sorted({type(m).__name__ for m in models if getattr(m.config, "_experts_implementation", None) == "eager"})
-    if not eager:
-        return ""
-    return (
-        f" {', '.join(eager)} routes tokens to its experts with host reads (experts_implementation='eager'): load it "
-        "with experts_implementation='grouped_mm' (or 'batched_mm', or call model.set_experts_implementation(...)) "
-        "to capture its steps."
-    )
+    device — but torch's grouped_mm outside bfloat16 (measured: float32 on an H100, torch 2.11) copies between host
+    and device, which a capture refuses too, so such models are pointed at "batched_mm"."""
+
+    def named(implementation: str, bf16_ok: bool = False) -> str:
+        return ", ".join(sorted({
+            type(m).__name__ for m in models
+            if compat.experts_implementation(m) == implementation
+            and not (bf16_ok and m.dtype == torch.bfloat16)
+        }))  # fmt: skip
+
+    hint = ""
+    if eager := named("eager"):
+        hint += (
+            f" {eager} routes tokens to its experts with host reads (experts_implementation='eager'): load it "
+            "with experts_implementation='grouped_mm' (or 'batched_mm', or call model.set_experts_implementation(...)) "
+            "to capture its steps."
+        )
+    if grouped := named("grouped_mm", bf16_ok=True):
+        hint += (
+            f" {grouped} computes its experts with torch's grouped_mm outside bfloat16, which copies between host and "
+            "device: run it in bfloat16, or call model.set_experts_implementation('batched_mm') to capture its steps."
+        )
+    return hint

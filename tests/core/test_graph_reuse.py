@@ -122,3 +122,29 @@ def test_calls_that_adopt_a_kept_calls_state_give_plain_output(monkeypatch, emul
         assert torch.equal(spec_generate(target, inputs, spec, **gen), plain)
     assert adopted == [False, True, True, False]
     graph_reuse.clear(target)
+
+
+def test_a_call_after_the_kernels_change_captures_its_own_graphs(monkeypatch, emulated_graphs):
+    """A kept graph bakes in the kernels its models ran: after `set_experts_implementation` (or
+    `set_attn_implementation`) the next call does not adopt it, and captures graphs of the new kernels."""
+    from conftest import make_prompts, spec_generate
+    from proposers.test_mtp import make_mtp_target
+
+    import hf_specdec
+    from hf_specdec.step_graph import StepGraph
+
+    monkeypatch.delenv(graph_reuse.REUSE_ENV, raising=False)
+    adopted = []
+    reuse = StepGraph._reuse
+    monkeypatch.setattr(StepGraph, "_reuse", lambda self: (reuse(self), adopted.append(self.entry is not None)))
+    target, mtp = make_mtp_target("glm4_moe")
+    inputs = make_prompts(2, seed=3, min_len=5, max_len=5)
+    gen = dict(max_new_tokens=12, do_sample=False, eos_token_id=None, cache_implementation="static")
+    plain = target.generate(**inputs, **{k: v for k, v in gen.items() if k != "cache_implementation"})
+    for implementation in ("grouped_mm", "grouped_mm", "batched_mm", "batched_mm"):
+        for model in (target, mtp):
+            model.set_experts_implementation(implementation)
+        spec = hf_specdec.SpecDecoder(method="mtp", mtp_model=mtp, num_speculative_tokens=2)
+        assert torch.equal(spec_generate(target, inputs, spec, **gen), plain), implementation
+    assert adopted == [False, True, False, True]
+    graph_reuse.clear(target)

@@ -267,3 +267,22 @@ def test_a_bidirectional_causal_lm_is_refused_and_works_as_a_decoder() -> None:
             plain = model.generate(**inputs, **gen)
             out = model.generate(**inputs, **gen, custom_generate=hf_specdec.generate, spec_decoder=spec)
         assert torch.equal(out, plain)
+
+
+def test_the_capture_hint_names_the_experts_implementation_to_use(llama) -> None:
+    """A refused capture's warning says what to change: "eager" experts read on the host; "grouped_mm" outside
+    bfloat16 copies between host and device (torch's grouped matmul), so it points at "batched_mm"; nothing is said
+    of a bf16 grouped_mm model or of a dense one."""
+    from proposers.test_mtp import make_mtp_target
+
+    from hf_specdec.model_support import capture_hint
+
+    target, mtp = make_mtp_target("deepseek_v3")
+    target.set_experts_implementation("eager")
+    assert "experts_implementation='grouped_mm'" in capture_hint([target])
+    target.set_experts_implementation("grouped_mm")
+    hint = capture_hint([target, mtp])
+    assert "DeepseekV3ForCausalLM, MtpModel" in hint and "set_experts_implementation('batched_mm')" in hint
+    assert capture_hint([target.to(torch.bfloat16)]) == ""
+    target.set_experts_implementation("batched_mm")
+    assert capture_hint([target, llama]) == ""

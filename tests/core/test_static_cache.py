@@ -6,6 +6,8 @@ fixed verify widths, frozen finished rows and in-place compaction that the compi
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from conftest import make_model, make_noisy_copy, make_prompts, spec_generate
@@ -310,7 +312,9 @@ def test_twenty_calls_of_varied_shapes_share_a_few_cache_lengths(monkeypatch):
 @pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
 def test_mtp_steps_are_captured_on_cuda(arch):
     """MTP with no cache flag on CUDA takes the captured static path: its steps replay as CUDA graphs and the
-    tokens equal plain `generate` (fp32 tiny targets; the experts implementation is transformers' default)."""
+    tokens equal plain `generate` (fp32 tiny targets, experts as "batched_mm"). With transformers' default
+    "grouped_mm", torch's float32 grouped matmul copies between host and device, so the steps are refused with a
+    warning that names the fix, and the tokens are still plain's."""
     from proposers.test_mtp import make_mtp_target
 
     target, mtp = make_mtp_target(arch)
@@ -318,6 +322,15 @@ def test_mtp_steps_are_captured_on_cuda(arch):
     inputs = {name: t.cuda() for name, t in make_prompts(3, seed=19).items()}
     gen = dict(max_new_tokens=24, do_sample=False, eos_token_id=None)
     expected = target.generate(**inputs, **gen)
-    spec = hf_specdec.SpecDecoder(method="mtp", mtp_model=mtp, num_speculative_tokens=3)
-    assert torch.equal(spec_generate(target, inputs, spec, **gen), expected)
-    assert spec.last_stats.num_graph_replays > 0
+    for implementation in ("batched_mm", "grouped_mm"):
+        for model in (target, mtp):
+            model.set_experts_implementation(implementation)
+        spec = hf_specdec.SpecDecoder(method="mtp", mtp_model=mtp, num_speculative_tokens=3)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert torch.equal(spec_generate(target, inputs, spec, **gen), expected), implementation
+        said = [str(w.message) for w in caught if "could not capture" in str(w.message)]
+        if implementation == "batched_mm":
+            assert spec.last_stats.num_graph_replays > 0 and not said
+        else:
+            assert said and "set_experts_implementation('batched_mm')" in said[0]
