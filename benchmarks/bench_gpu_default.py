@@ -13,7 +13,8 @@ default's acceptance, drafting share and graph replays, and whether every output
 times each route's first call in a fresh process (`python -c`), after the models are built.
 
 Run (GPU): `PYTHONPATH=. python benchmarks/bench_gpu_default.py --part batch1 --out b1.json`
-(`--part batched` for B = 32, `--part first` for first calls; `--tiny` for a CPU dry run).
+(`--part batched` for B = 32, `--part sampling` for sampled rows at B = 1 and the `--batches`, `--part first` for first
+calls; `--tiny` for a CPU dry run).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import transformers
 import hf_specdec
 from benchmarks import bench_gpu_e2e as e2e
 from hf_specdec import adaptive, graph_reuse
+from hf_specdec.sampling.rejection import SAMPLER_ENV
 
 K = 4
 
@@ -74,16 +76,21 @@ def run_setting(name: str, target, draft, inputs, alpha: float, n_new: int, roun
             extra = {"cache_implementation": "dynamic"} if route == "ours_dynamic" else {}
             if route == "ours_no_reuse":  # every call warms up and captures its own graphs
                 os.environ[graph_reuse.REUSE_ENV] = "0"
+            if route == "ours_torch_sampler":  # draws and rejection sampler in torch ops, not Triton
+                os.environ[SAMPLER_ENV] = "torch"
             try:
                 return target.generate(**inputs, **gen, **extra, custom_generate=hf_specdec.generate,
                                        spec_decoder=spec)  # fmt: skip
             finally:
                 os.environ.pop(graph_reuse.REUSE_ENV, None)
+                os.environ.pop(SAMPLER_ENV, None)
 
         return call
 
     fns = {**plain, "ours_default": ours("ours_default", 1), "ours_no_reuse": ours("ours_no_reuse", 3),
            "ours_dynamic": ours("ours_dynamic", 2)}  # fmt: skip
+    if sample:  # the same sampled call with the sampler's draws and kernels in torch operations
+        fns["ours_torch_sampler"] = ours("ours_torch_sampler", 1)
     samples: dict[str, list[float]] = {key: [] for key in fns}
     stats: list[dict] = []
     identical: dict[str, bool] = {}
@@ -104,11 +111,12 @@ def run_setting(name: str, target, draft, inputs, alpha: float, n_new: int, roun
             stats.append(dict(acceptance=s.acceptance_rate, mean_accepted_length=s.mean_accepted_length,
                               drafting_share=s.num_drafting_row_steps / max(1, s.num_row_steps), steps=s.num_steps,
                               replays=s.num_graph_replays, capture_s=s.compile_time_s,
-                              dynamic_drafting_share=specs["ours_dynamic"].last_stats.num_drafting_row_steps
-                              / max(1, specs["ours_dynamic"].last_stats.num_row_steps)))  # fmt: skip
+                              drafting_share_by_route={key: round(spec.last_stats.num_drafting_row_steps
+                                                                  / max(1, spec.last_stats.num_row_steps), 3)
+                                                       for key, spec in specs.items()}))  # fmt: skip
     tps = {key: [batch * n_new / t for t in ts] for key, ts in samples.items()}
     ratios = {}
-    for ours_key in ("ours_default", "ours_no_reuse", "ours_dynamic"):
+    for ours_key in [key for key in fns if key.startswith("ours")]:
         for base in ("plain_eager", "plain_compiled"):
             per_round = [b / o for b, o in zip(samples[base], samples[ours_key])]
             ratios[f"{ours_key}_vs_{base}"] = dict(min=min(per_round), median=statistics.median(per_round),
@@ -174,7 +182,7 @@ def first_calls(batch: int, n_new: int, prompt_len: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=["batch1", "batched", "ngram", "first"], default="batch1")
+    parser.add_argument("--part", choices=["batch1", "batched", "ngram", "sampling", "first"], default="batch1")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
@@ -193,6 +201,8 @@ def main() -> None:
         results["first_call_s"] = first_calls(1, n_new, args.prompt_len)
     else:
         batches = [1] if args.part == "batch1" else args.batches
+        if args.part == "sampling":
+            batches = [1, *[b for b in args.batches if b != 1]]
         target, draft, all_inputs = setup(batches, n_new, args.prompt_len)
         rows = []
         for b in batches:
@@ -203,6 +213,8 @@ def main() -> None:
                 results["rows"] = rows
                 continue
             settings = [(0.8, False), (0.0, False), (0.8, True)] if b == 1 else [(0.8, False), (0.0, False)]
+            if args.part == "sampling":  # sampled rows only (T = 0.8, top-p 0.9), at B = 1 and the --batches
+                settings = [(0.8, True)]
             for alpha, sample in settings:
                 name = f"B={b} alpha={alpha}{' sampling T=0.8 top-p 0.9' if sample else ' greedy'}"
                 rows.append(run_setting(name, target, draft, all_inputs[b], alpha, n_new, args.rounds, sample))

@@ -133,13 +133,32 @@ def context_bucket(context_length: float) -> int:
 
 @dataclass
 class MeasuredSteps:
-    """The loop's own steps at one context bucket: average seconds per verify width, and plain step / forward."""
+    """The loop's own steps at one context bucket: seconds per verify width, and plain step / forward."""
 
     not_step_state = True  # shared by every call on a model (`step_graph.state_owners` skips it)
 
-    seconds: dict[int, float] = field(default_factory=dict)  # width -> average seconds of a whole step
+    seconds: dict[int, float] = field(default_factory=dict)  # width -> seconds of a whole step (`recent`'s median)
     samples: dict[int, int] = field(default_factory=dict)  # width -> steps measured
+    recent: dict[int, list[float]] = field(default_factory=dict)  # width -> the latest `WINDOW` step times
     ratio: float = 1.0  # average of a plain (width 1) step over the calibrated 1-token forward
+
+    #: step times kept per width: their median is the width's cost, so one slow step (a garbage collection, a
+    #: graph's first launch, another process on the GPU) moves it not at all, and a lasting change within a few steps
+    WINDOW = 7
+
+    def add(self, width: int, seconds: float) -> None:
+        recent = self.recent.setdefault(width, [])
+        recent.append(seconds)
+        del recent[: -self.WINDOW]
+        ordered = sorted(recent)
+        # With two samples the lower one: a first step of a kind often pays a one-time cost.
+        self.seconds[width] = ordered[(len(ordered) - 1) // 2]
+        self.samples[width] = self.samples.get(width, 0) + 1
+
+    def forget(self, width: int) -> None:
+        """Drop what was measured of `width`: it is measured anew."""
+        for measured in (self.seconds, self.samples, self.recent):
+            measured.pop(width, None)
 
 
 @dataclass
@@ -175,6 +194,7 @@ class StepCosts:
     smoothing: float = 0.1  # weight of a new sample
     min_samples: int = 2
     idle_decay: float = 0.99  # per plain step: a drafting cost not re-measured fades (speculation is re-tried)
+    plain_streak: int = 0  # static caches: plain steps chosen in a row, across calls (`AdaptiveSchedule.explore`)
 
     def calibrate(self, time_verify: Callable[[int], float], widths: Sequence[int]) -> None:
         """Time a forward of `per_call` widths (the fastest of all timings of a width is kept): those timed least,
@@ -232,11 +252,7 @@ class StepCosts:
         elif drafts_separately:
             self.draft_cost += self.smoothing * (max(seconds - scaled, 0.0) / (width - 1) - self.draft_cost)
             self.draft_measured = True
-        n = steps.samples.get(width, 0)
-        steps.seconds[width] = (
-            seconds if n == 0 else steps.seconds[width] + self.smoothing * (seconds - steps.seconds[width])
-        )
-        steps.samples[width] = n + 1
+        steps.add(width, seconds)
 
     def step_time(self, width: int, bucket: int) -> float:
         steps = self.at(bucket)
@@ -305,6 +321,9 @@ class AdaptiveSchedule(SpeculationSchedule):
             apart from the dynamic path's (a captured step on a GPU costs a third of an eager one); what drafts are
             worth is shared.
     """
+
+    #: static caches: after this many plain steps in a row, one step drafts to re-measure its cost (`explore`)
+    REPROBE_AFTER = 128
 
     def __init__(
         self,
@@ -480,10 +499,18 @@ class AdaptiveSchedule(SpeculationSchedule):
         not a captured step's; so each kind is trusted only once `plain_samples_needed` of its own steady steps
         were timed at this batch size: drafting is tried first (until measured, however poor the drafts look),
         then, after three drafting steps, plain steps. Costs are kept across calls: only a model's first call at a
-        batch size pays these few steps."""
+        batch size pays these few steps. After `REPROBE_AFTER` plain steps in a row (across calls) the drafting cost
+        is forgotten and measured anew, so that one measured too high (a contended GPU), or one that has since
+        fallen, does not keep drafting off for good: a useless draft then costs two drafting steps per
+        `REPROBE_AFTER` plain ones (about 1% on an H100 at batch 1)."""
         if not self.plain_samples_needed or self.pending is None:
             return None
-        samples = self.pending.costs.at(self.pending.bucket).samples
+        costs = self.pending.costs
+        costs.plain_streak = 0 if drafting else costs.plain_streak + 1
+        if costs.plain_streak > self.REPROBE_AFTER:  # re-measure drafting now and then: costs change, and err
+            costs.plain_streak = 0
+            costs.at(self.pending.bucket).forget(self.max_k + 1)  # measured anew below, as in a first call
+        samples = costs.at(self.pending.bucket).samples
         if not drafting and samples.get(self.max_k + 1, 0) < self.plain_samples_needed:
             self.drafting_steps += 1
             return True

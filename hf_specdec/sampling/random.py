@@ -1,13 +1,17 @@
 """Counter-based random draws for the rejection sampler: one independent stream per (row seed, step, stream).
 
 Every value is a pure function of (seed, step, stream, index) — a splitmix64 hash computed in torch int64
-arithmetic on the seeds' device — so a row's draws never depend on the batch it shares, its position in that
+arithmetic on the seeds' device (on CUDA, the same arithmetic in one Triton launch: `random_kernels.py`) — so a row's draws never depend on the batch it shares, its position in that
 batch, the batch size or the device. This is what makes batched speculative decoding reproducible row by row:
 the same seed gives the same draws whether the request runs alone or among others (and the same text, unless a
 draw is decided within the last bits that batching moves in the logits: docs/usage.md, "Seeds and reproducibility").
 """
 
 from __future__ import annotations
+
+import functools
+import importlib.util
+import os
 
 import torch
 
@@ -80,6 +84,21 @@ def _check_seeds(seeds: torch.Tensor, step: int | torch.Tensor, stream: int, n: 
         raise ValueError(f"`n` must be >= 0 (number of draws per row), got {n}.")
 
 
+@functools.cache
+def _triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _use_kernel(seeds: torch.Tensor, step: int | torch.Tensor, stream: int, n: int) -> bool:
+    """Whether the draws run as one Triton launch (`random_kernels`): CUDA seeds and triton importable, unless
+    HF_SPECDEC_SAMPLER=torch asks for the sampler in torch operations (`rejection.SAMPLER_ENV`)."""
+    from hf_specdec.sampling.rejection import SAMPLER_ENV
+
+    _check_seeds(seeds, step, stream, n)
+    forced_torch = os.environ.get(SAMPLER_ENV, "").strip().lower() == "torch"
+    return seeds.is_cuda and not forced_torch and _triton_importable()
+
+
 def random_bits(seeds: torch.Tensor, step: int | torch.Tensor, stream: int, n: int) -> torch.Tensor:
     """
     Returns 64 pseudo-random bits per (row, index), as int64 words, a pure function of (seed, step, stream, index).
@@ -132,6 +151,15 @@ def uniform(seeds: torch.Tensor, step: int | torch.Tensor, stream: int, n: int) 
     Returns:
         `torch.Tensor` of shape `(batch_size, n)`, float32, in [0, 1), on the seeds' device.
     """
+    if _use_kernel(seeds, step, stream, n):
+        from hf_specdec.sampling.random_kernels import draws_triton
+
+        return draws_triton(seeds, step, stream, n, exponential=False)
+    return torch_uniform(seeds, step, stream, n)
+
+
+def torch_uniform(seeds: torch.Tensor, step: int | torch.Tensor, stream: int, n: int) -> torch.Tensor:  # [B, n]
+    """`uniform` in torch operations (on any device; on CUDA `uniform` launches one Triton kernel instead)."""
     bits = _shr_(random_bits(seeds, step, stream, n), 64 - _UNIFORM_BITS)  # [B, n] in [0, 2^24)
     return bits.to(torch.float32).mul_(2.0**-_UNIFORM_BITS)  # [B, n]
 
@@ -156,6 +184,15 @@ def exponential(seeds: torch.Tensor, step: int | torch.Tensor, stream: int, n: i
     Returns:
         `torch.Tensor` of shape `(batch_size, n)`, float32, finite and > 0, on the seeds' device.
     """
+    if _use_kernel(seeds, step, stream, n):
+        from hf_specdec.sampling.random_kernels import draws_triton
+
+        return draws_triton(seeds, step, stream, n, exponential=True)
+    return torch_exponential(seeds, step, stream, n)
+
+
+def torch_exponential(seeds: torch.Tensor, step: int | torch.Tensor, stream: int, n: int) -> torch.Tensor:  # [B, n]
+    """`exponential` in torch operations (on any device; on CUDA `exponential` launches one Triton kernel instead)."""
     bits = _shr_(random_bits(seeds, step, stream, n), 64 - _EXPONENTIAL_BITS)  # [B, n] in [0, 2^52)
     u = bits.to(torch.float64).add_(0.5).mul_(2.0**-_EXPONENTIAL_BITS)  # [B, n] in (0, 1), exact
     return u.log_().neg_().to(torch.float32)  # [B, n]
