@@ -9,6 +9,7 @@ the token rows as plain `generate` would lay them out, plus the per-token scores
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from hf_specdec.proposers.base import Proposal, Proposer
 from hf_specdec.proposers.draft_model import draft_position_limit
 from hf_specdec.sampling import random as row_random
 from hf_specdec.sampling.processors import StepSampling
-from hf_specdec.sampling.rejection import rejection_sample
+from hf_specdec.sampling.rejection import SAMPLER_ENV, rejection_sample
 from hf_specdec.schedules import SpeculationSchedule
 from hf_specdec.static_cache import StaticCacheView, StaticPlan
 from hf_specdec.step_graph import StepGraph
@@ -198,6 +199,7 @@ class SpeculativeLoop:
             self.static.max_columns, str(self.batch.device), self.sampling.do_sample,
             tuple(settings(p) for p in self.sampling.pure), settings(stops), tuple(stops.max_lengths),
             settings(self.proposer), settings(inner), models, type(self.budgets.schedule).__name__,
+            os.environ.get(SAMPLER_ENV, ""),  # Triton or torch draws and sampler
         )  # fmt: skip
 
     def live(self) -> bool:
