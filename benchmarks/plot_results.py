@@ -4,7 +4,9 @@ Run: `python benchmarks/plot_results.py docs/results/rejection_h100.json docs/re
 `python benchmarks/plot_results.py --compiled docs/results/compiled_h100_*_captured.json --out docs` for the
 compiled static-cache path (`bench_gpu_compiled.py`); `--default docs/results/default_h100_b1.json ...` for the
 no-flag default (`bench_gpu_default.py`); `--profile docs/results/profile_batched_h100.json` for the batched step
-(`profile_batched_gpu.py`; the figure is named after the file); `--threads docs/results/threads_h100.json` for threads (`bench_threads_gpu.py`).
+(`profile_batched_gpu.py`; the figure is named after the file); `--threads docs/results/threads_h100.json` for threads (`bench_threads_gpu.py`);
+`--methods docs/results/sampling_h100_*.json docs/results/default_h100_ngram_reuse.json docs/results/mtp_h100.json`
+for every method's captured step (issue 26).
 """
 
 from __future__ import annotations
@@ -148,6 +150,43 @@ def plot_threads(data: dict, out: Path) -> None:
     fig.savefig(out / "threads_h100.png", dpi=110)
 
 
+def _clean(per_round: list[float], compiled_tps: list[float]) -> list[float]:
+    """The rounds whose compiled plain call did not compile again (above a third of its fastest round)."""
+    return [r for r, tps in zip(per_round, compiled_tps) if tps >= max(compiled_tps) / 3]
+
+
+def plot_methods(default_files: list[Path], mtp_files: list[Path], out: Path) -> None:
+    """Issue 26: every method's no-flag call (its steps captured) against compiled plain, each clean round a dot
+    (`bench_gpu_default.py` sampling and prompt-lookup rows, `bench_mtp_gpu.py`)."""
+    bars: list[tuple[str, list[float]]] = []
+    for f in default_files:
+        for row in json.loads(f.read_text())["rows"]:
+            rounds = _clean(row["ratios"]["ours_default_vs_plain_compiled"]["rounds"], row["tps"]["plain_compiled"])
+            label = (
+                row["setting"]
+                .replace(", answer in the prompt", "\n(answer in prompt)")
+                .replace(" sampling", "\nsampling")
+            )
+            bars.append((f"{label}\n[{f.stem}]", rounds))
+    for f in mtp_files:
+        for row in json.loads(f.read_text())["rows"]:
+            seconds = row["seconds"]
+            compiled_tps = [1 / t for t in seconds["plain_compiled"]]
+            per_round = [c / o for c, o in zip(seconds["plain_compiled"], seconds["ours_captured"])]
+            bars.append((f"B={row['batch']} MTP (1 layer, k = 3)\n[{f.stem}]", _clean(per_round, compiled_tps)))
+    fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(bars)), 4.8))
+    for j, (_, rounds) in enumerate(bars):
+        ax.bar(j, min(rounds), 0.6, color="tab:blue", alpha=0.6)
+        ax.scatter([j] * len(rounds), rounds, color="black", zorder=3, s=12)
+        ax.annotate(f"{min(rounds):.2f}-{max(rounds):.2f}x", (j, max(rounds)), ha="center", va="bottom", fontsize=8)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xticks(range(len(bars)), [label for label, _ in bars], fontsize=7)
+    ax.set_ylabel("tokens/s / compiled plain's (bar: minimum)")
+    ax.set_title("Every method's captured step on an H100, no flags (8B-shaped bf16 targets, 64 new tokens)")
+    fig.tight_layout()
+    fig.savefig(out / "methods_h100.png", dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("rejection", nargs="?")
@@ -156,6 +195,13 @@ def main() -> None:
     parser.add_argument("--default", nargs="+", type=Path, default=[], help="bench_gpu_default.py JSON files")
     parser.add_argument("--profile", type=Path, help="profile_batched_gpu.py JSON file")
     parser.add_argument("--threads", type=Path, help="bench_threads_gpu.py JSON file")
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        type=Path,
+        default=[],
+        help="bench_gpu_default.py and bench_mtp_gpu.py JSON files (names with 'mtp' are MTP runs)",
+    )
     parser.add_argument("--out", default="docs")
     args = parser.parse_args()
     out = Path(args.out)
@@ -171,6 +217,9 @@ def main() -> None:
         plot_profile(json.loads(args.profile.read_text()), out, args.profile.stem + ".png")
     if args.threads:
         plot_threads(json.loads(args.threads.read_text()), out)
+    if args.methods:
+        mtp = [f for f in args.methods if "mtp" in f.stem]
+        plot_methods([f for f in args.methods if f not in mtp], mtp, out)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ def _mix(z):
     return z ^ (z >> 31)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["step_key", "stream_key", "N"])  # one compile per kind of draw, not per stream
 def _draws_kernel(
     seeds_ptr,  # [B] int64
     step_ptr,  # [] int64 device counter (read when STEP_ON_DEVICE)
