@@ -51,8 +51,8 @@ def capture_blocker(
         return "output_scores / output_logits / on_step / a returned cache read every step on the host"
     if exact is not None:
         return "logits processors or stopping criteria off the vectorised allow-list run position by position"
-    if len(sampling.pure) and not sampling.prefix_free:
-        names = sorted({type(p).__name__ for p in sampling.pure})
+    if sampling.per_prefix:
+        names = sorted({type(p).__name__ for p in sampling.per_prefix})
         return f"logits processors that read each position's prefix ({names}) run per prefix on the host"
     if len(stop_rules.general):
         names = sorted({type(c).__name__ for c in stop_rules.general})

@@ -5,8 +5,10 @@ per row at once, and rows have different lengths, so each position (i, j) must s
 `input_ids` plain decoding would have had there: row i's buffer up to its own prefix length.
 This vectorised path is only for the processors on an explicit allow-list (`PURE_PROCESSORS`: stateless,
 each position a pure function of its own prefix and scores). Those that never read `input_ids`
-(temperature, top-k, top-p, min-p, ...) run once on all positions; the others once per distinct prefix
-length. Any other processor makes the call take the exact path (`hf_specdec.exact`).
+(temperature, top-k, top-p, min-p, ...) run once on all positions, and so do those with a device form
+(`prefix_processors.py`: repetition penalty, no-repeat n-gram, minimum lengths); the others once per distinct
+prefix length, which reads the lengths on the host. Any other processor makes the call take the exact path
+(`hf_specdec.exact`).
 `StepSampling` carries the processors, greedy/sampling, and the per-row seeds for one call.
 """
 
@@ -20,6 +22,7 @@ from transformers.generation import logits_process as lp
 from transformers.generation.logits_process import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
 from hf_specdec.sampling import random as row_random
+from hf_specdec.sampling.prefix_processors import DeviceForm, device_form
 
 
 def _classes(*names: str) -> frozenset[type]:
@@ -94,8 +97,15 @@ class StepSampling:
         # `process` (the drafts' q, and the fast path) then applies only the allow-listed ones: any q is exact.
         self.exact = not all(is_pure(p) for p in self.processors)
         self.pure = LogitsProcessorList([p for p in self.processors if is_pure(p)])
-        self.prefix_free = all(type(p) in PREFIX_FREE_PROCESSORS for p in self.pure)
         self.row_ids = torch.arange(self.seeds.shape[0], device=self.seeds.device)  # [B] caller's row of each row
+        #: each allow-listed processor's device form (None: prefix-free, or none exists)
+        self.forms: list[DeviceForm | None] = [
+            None if type(p) in PREFIX_FREE_PROCESSORS else device_form(p, self.row_ids) for p in self.pure
+        ]
+        #: the processors without either form: they run once per distinct prefix length, read on the host
+        self.per_prefix = [
+            p for p, f in zip(self.pure, self.forms) if f is None and type(p) not in PREFIX_FREE_PROCESSORS
+        ]
         if self.step is None:
             self.step = torch.zeros((), dtype=torch.int64, device=self.seeds.device)  # []
         # Only processors with per-row state need a copy sliced to the rows they score (see `processors_for_rows`).
@@ -104,6 +114,9 @@ class StepSampling:
     def select_rows(self, keep: torch.Tensor) -> None:
         self.seeds = self.seeds[keep]
         self.row_ids = self.row_ids[keep.to(self.row_ids.device)]
+        for form in self.forms:
+            if form is not None:
+                form.select_rows(keep.to(self.row_ids.device))
 
     def process(
         self,
@@ -116,10 +129,16 @@ class StepSampling:
         if len(self.pure) == 0:
             return logits
         batch_size, width, vocab = logits.shape
-        if self.prefix_free:
-            flat = logits.reshape(batch_size * width, vocab)
-            dummy_ids = token_ids[:1, :1].expand(flat.shape[0], 1)  # [B*w, 1], never read
-            return self.pure(dummy_ids, flat).reshape(batch_size, width, vocab)
+        if not self.per_prefix:  # all positions at once, no host read (a captured step holds this)
+            dummy_ids = token_ids[:1, :1].expand(batch_size * width, 1)  # [B*w, 1], never read
+            scores = logits  # [B, w, V]
+            for processor, form in zip(self.pure, self.forms):
+                if form is not None:
+                    scores = form(token_ids, prefix_lengths, scores)
+                else:
+                    flat = processor(dummy_ids, scores.reshape(batch_size * width, vocab))  # [B*w, V]
+                    scores = flat.reshape(batch_size, width, vocab)
+            return scores
         scores = logits.clone()
         lengths = torch.where(valid, prefix_lengths, -1)
         for length in torch.unique(lengths[valid]).tolist():

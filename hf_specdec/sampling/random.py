@@ -99,6 +99,17 @@ def _use_kernel(seeds: torch.Tensor, step: int | torch.Tensor, stream: int, n: i
     return seeds.is_cuda and not forced_torch and _triton_importable()
 
 
+def _draws_triton(
+    seeds: torch.Tensor, step: int | torch.Tensor, stream: int, n: int, exponential: bool
+) -> torch.Tensor:
+    """The same draws in one Triton launch (`random_kernels.py`), given this module's keys."""
+    from hf_specdec.sampling.random_kernels import draws_triton
+
+    step_key = 0 if isinstance(step, torch.Tensor) else _signed((step + 1) * _STEP_KEY)
+    stream_key = _signed((stream + 1) * _STREAM_KEY)
+    return draws_triton(seeds, step, stream_key, n, exponential=exponential, step_key=step_key)
+
+
 def random_bits(seeds: torch.Tensor, step: int | torch.Tensor, stream: int, n: int) -> torch.Tensor:
     """
     Returns 64 pseudo-random bits per (row, index), as int64 words, a pure function of (seed, step, stream, index).
@@ -152,9 +163,7 @@ def uniform(seeds: torch.Tensor, step: int | torch.Tensor, stream: int, n: int) 
         `torch.Tensor` of shape `(batch_size, n)`, float32, in [0, 1), on the seeds' device.
     """
     if _use_kernel(seeds, step, stream, n):
-        from hf_specdec.sampling.random_kernels import draws_triton
-
-        return draws_triton(seeds, step, stream, n, exponential=False)
+        return _draws_triton(seeds, step, stream, n, exponential=False)
     return torch_uniform(seeds, step, stream, n)
 
 
@@ -185,9 +194,7 @@ def exponential(seeds: torch.Tensor, step: int | torch.Tensor, stream: int, n: i
         `torch.Tensor` of shape `(batch_size, n)`, float32, finite and > 0, on the seeds' device.
     """
     if _use_kernel(seeds, step, stream, n):
-        from hf_specdec.sampling.random_kernels import draws_triton
-
-        return draws_triton(seeds, step, stream, n, exponential=True)
+        return _draws_triton(seeds, step, stream, n, exponential=True)
     return torch_exponential(seeds, step, stream, n)
 
 

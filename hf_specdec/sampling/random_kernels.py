@@ -15,7 +15,6 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_specdec.sampling import random as row_random
 from hf_specdec.sampling.kernels import _variant, triton_interprets
 
 BLOCK = 1024
@@ -61,16 +60,15 @@ def _draws_kernel(
 
 
 def draws_triton(
-    seeds: torch.Tensor, step: int | torch.Tensor, stream: int, n: int, *, exponential: bool
+    seeds: torch.Tensor, step: int | torch.Tensor, stream_key: int, n: int, *, exponential: bool, step_key: int = 0
 ) -> torch.Tensor:  # [B, n] float32
-    """`random.exponential(...)` (or `random.uniform(...)`) in one launch; CUDA tensors, or CPU tensors in the
-    Triton interpreter."""
+    """The draws of `random.exponential` (or `random.uniform`) in one launch; CUDA tensors, or CPU tensors in the
+    Triton interpreter. `random` computes the keys: `stream_key` = (stream + 1) * STREAM_KEY and, for a host int
+    step, `step_key` = (step + 1) * STEP_KEY, both as signed int64 values; a tensor `step` is read on the device."""
     out = torch.empty(seeds.shape[0], n, dtype=torch.float32, device=seeds.device)  # [B, n]
     if out.numel() == 0:
         return out
     on_device = isinstance(step, torch.Tensor)
-    step_key = 0 if on_device else row_random._signed((step + 1) * row_random._STEP_KEY)
-    stream_key = row_random._signed((stream + 1) * row_random._STREAM_KEY)
     kernel = _variant(_draws_kernel, seeds.device.type != "cuda" or triton_interprets())
     grid = (seeds.shape[0], triton.cdiv(n, BLOCK))
     step_ptr = step.to(seeds.device) if on_device else seeds  # (seeds: any pointer, never read)

@@ -186,3 +186,32 @@ def test_captured_mtp_sampling_draws_what_the_uncaptured_step_draws(emulated_gra
         method="mtp", mtp_model=mtp, num_speculative_tokens=3, seed=5, num_speculative_tokens_schedule="constant"
     )
     assert_captured_draws_equal_uncaptured(target, inputs, spec, gen, monkeypatch)
+
+
+PREFIX_READERS = dict(repetition_penalty=1.3, no_repeat_ngram_size=3, min_new_tokens=10)
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_prefix_reading_processors_are_captured_and_equal_plain(emulated_graphs, method):
+    """Repetition penalty, no-repeat n-gram and a minimum of new tokens (with an EOS the model emits early) run in
+    the captured step through their device forms (`sampling/prefix_processors.py`): replays, and plain's tokens."""
+    target = make_model("llama", seed=0)
+    drafting = dict(draft_model=make_noisy_copy(target, seed=4)) if method == "draft" else dict(method="ngram")
+    inputs = make_prompts(3, seed=17)
+    gen = dict(max_new_tokens=24, do_sample=False, eos_token_id=7, pad_token_id=0, **PREFIX_READERS)
+    expected = target.generate(**inputs, **gen)
+    spec = hf_specdec.SpecDecoder(**drafting, num_speculative_tokens=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "not captured" warning either
+        out = spec_generate(target, inputs, spec, **gen, cache_implementation="static")
+    assert torch.equal(out, expected)
+    assert spec.last_stats.num_graph_replays > 0
+
+
+def test_seeded_sampling_with_prefix_readers_is_the_same_captured(emulated_graphs, monkeypatch):
+    target = make_model("llama", seed=0)
+    draft = make_noisy_copy(target, noise=0.3, seed=4)
+    gen = dict(max_new_tokens=24, do_sample=True, eos_token_id=None, cache_implementation="static", temperature=0.9,
+               **PREFIX_READERS)  # fmt: skip
+    spec = dict(draft_model=draft, num_speculative_tokens=3, seed=11)
+    assert_captured_draws_equal_uncaptured(target, make_prompts(3, seed=7), spec, gen, monkeypatch)

@@ -21,12 +21,16 @@ pytest.importorskip("triton")
 
 from hf_specdec.sampling import random as rnd  # noqa: E402
 from hf_specdec.sampling.kernels import triton_interprets  # noqa: E402
-from hf_specdec.sampling.random_kernels import BLOCK, draws_triton  # noqa: E402
+from hf_specdec.sampling.random_kernels import BLOCK  # noqa: E402
 
 IN_PROCESS = triton_interprets()
 interpreted = pytest.mark.skipif(not IN_PROCESS, reason="run by test_draws_in_subprocess (triton was imported first)")
 REPO = Path(__file__).resolve().parents[2]
 SEEDS = torch.tensor([0, 1, -1, 2**63 - 1, -(2**63), 123456789012345], dtype=torch.int64)  # [6] edge words too
+
+
+def draws_triton(seeds: torch.Tensor, step, stream: int, n: int, *, exponential: bool) -> torch.Tensor:  # noqa: ANN001
+    return rnd._draws_triton(seeds, step, stream, n, exponential)
 
 
 def assert_draws_equal(seeds: torch.Tensor, steps: list, streams: list[int], sizes: list[int]) -> None:

@@ -1,0 +1,81 @@
+"""The device forms of prefix-reading processors equal transformers' processors, position by position."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.generation import logits_process as lp
+
+from hf_specdec.sampling.prefix_processors import device_form
+
+
+def random_case(seed: int, vocab: int = 11, batch: int = 5, capacity: int = 14, width: int = 4, alphabet: int = 4):
+    """A token buffer with left padding (id 0), a few ids past the output vocabulary, ragged prefixes, and scores
+    of both signs. Tokens come from a small alphabet so that n-grams repeat."""
+    g = torch.Generator().manual_seed(seed)
+    token_ids = torch.randint(0, alphabet, (batch, capacity), generator=g)  # [B, C]
+    token_ids[torch.rand(batch, capacity, generator=g) < 0.05] = vocab + 2  # an embedding wider than the head
+    pad = torch.randint(0, 4, (batch,), generator=g)  # [B]
+    token_ids[torch.arange(capacity)[None, :] < pad[:, None]] = 0
+    prefix_lengths = torch.randint(1, capacity + 1, (batch, width), generator=g)  # [B, w]
+    scores = torch.randn(batch, width, vocab, generator=g) * 3  # [B, w, V]
+    return token_ids, prefix_lengths, scores
+
+
+def per_position(processor, token_ids, prefix_lengths, scores) -> torch.Tensor:  # [B, w, V]
+    out = torch.empty_like(scores)
+    for i in range(scores.shape[0]):
+        for j in range(scores.shape[1]):
+            length = int(prefix_lengths[i, j])
+            out[i, j] = processor(token_ids[i : i + 1, :length], scores[i, j][None].clone())[0]
+    return out
+
+
+def processors(row_ids: torch.Tensor, total_rows: int) -> list:
+    ignore = torch.arange(total_rows) % 5  # one per caller row
+    return [
+        lp.RepetitionPenaltyLogitsProcessor(1.3),
+        lp.RepetitionPenaltyLogitsProcessor(0.7, prompt_ignore_length=3),
+        lp.NoRepeatNGramLogitsProcessor(1),
+        lp.NoRepeatNGramLogitsProcessor(2),
+        lp.NoRepeatNGramLogitsProcessor(3),
+        lp.NoRepeatNGramLogitsProcessor(5),
+        lp.MinLengthLogitsProcessor(9, eos_token_id=[2, 5]),
+        lp.MinNewTokensLengthLogitsProcessor(prompt_length_to_skip=6, min_new_tokens=4, eos_token_id=3),
+    ] + [lp.RepetitionPenaltyLogitsProcessor(1.5, prompt_ignore_length=ignore)]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_device_forms_equal_the_processors_on_each_prefix(seed: int) -> None:
+    token_ids, prefix_lengths, scores = random_case(seed)
+    total_rows = 8
+    row_ids = torch.randperm(total_rows, generator=torch.Generator().manual_seed(seed))[: scores.shape[0]]  # [B]
+    for processor in processors(row_ids, total_rows):
+        form = device_form(processor, row_ids)
+        assert form is not None, type(processor).__name__
+        ignore = getattr(processor, "prompt_ignore_length", None)
+        if isinstance(ignore, torch.Tensor):  # each row's entry: the same rule as that row alone with an int
+            expected = torch.stack([
+                per_position(lp.RepetitionPenaltyLogitsProcessor(processor.penalty, int(ignore[row])),
+                             token_ids[i : i + 1], prefix_lengths[i : i + 1], scores[i : i + 1])[0]
+                for i, row in enumerate(row_ids.tolist())
+            ])  # fmt: skip
+        else:
+            expected = per_position(processor, token_ids, prefix_lengths, scores)
+        assert torch.equal(form(token_ids, prefix_lengths, scores.clone()), expected), type(processor).__name__
+
+
+def test_a_subclass_or_another_processor_has_no_device_form() -> None:
+    class Custom(lp.RepetitionPenaltyLogitsProcessor):
+        pass
+
+    row_ids = torch.arange(2)
+    assert device_form(Custom(1.2), row_ids) is None
+    assert device_form(lp.NoBadWordsLogitsProcessor([[1, 2]], eos_token_id=0), row_ids) is None
+
+
+def test_selected_rows_keep_their_ignored_columns() -> None:
+    processor = lp.RepetitionPenaltyLogitsProcessor(2.0, prompt_ignore_length=torch.tensor([0, 3, 6]))
+    form = device_form(processor, torch.tensor([2, 0, 1]))
+    form.select_rows(torch.tensor([False, True, True]))
+    assert form.ignore.tolist() == [0, 3]
