@@ -59,7 +59,8 @@ class NoRepeatNGram:
         match = (starts + n - 1) < prefix_lengths[..., None]  # [B, w, C] windows inside the prefix
         for i in range(n - 1):
             shifted = torch.nn.functional.pad(token_ids[:, i:], (0, i), value=-1)  # [B, C] token at start + i
-            tail = token_ids.gather(1, (prefix_lengths - n + 1 + i).clamp(min=0))  # [B, w] prefix's (i+1)-th last
+            at = (prefix_lengths - n + 1 + i).clamp(0, capacity - 1)  # [B, w] (clamped: positions not scored)
+            tail = token_ids.gather(1, at)  # [B, w] the prefix's last n - 1 tokens, i-th of them
             match &= shifted[:, None, :] == tail[..., None]
         last = torch.nn.functional.pad(token_ids[:, n - 1 :], (0, n - 1), value=0)  # [B, C] a window's last token
         ids = torch.where(match, last.clamp(max=vocab)[:, None, :], vocab)  # [B, w, C]

@@ -79,3 +79,13 @@ def test_selected_rows_keep_their_ignored_columns() -> None:
     form = device_form(processor, torch.tensor([2, 0, 1]))
     form.select_rows(torch.tensor([False, True, True]))
     assert form.ignore.tolist() == [0, 3]
+
+
+def test_positions_past_the_buffer_are_scored_without_an_index_error() -> None:
+    """A step scores positions it will not use (rows near the end of their buffer): their prefix lengths may pass
+    the buffer; the forms must not index out of it (a device-side assert on a GPU)."""
+    token_ids, prefix_lengths, scores = random_case(0)
+    prefix_lengths[:, -1] = token_ids.shape[1] + 3
+    for processor in (lp.NoRepeatNGramLogitsProcessor(3), lp.RepetitionPenaltyLogitsProcessor(1.2)):
+        form = device_form(processor, torch.arange(scores.shape[0]))
+        assert form(token_ids, prefix_lengths, scores).shape == scores.shape
