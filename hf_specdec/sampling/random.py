@@ -1,10 +1,11 @@
 """Counter-based random draws for the rejection sampler: one independent stream per (row seed, step, stream).
 
 Every value is a pure function of (seed, step, stream, index) — a splitmix64 hash computed in torch int64
-arithmetic on the seeds' device (on CUDA, the same arithmetic in one Triton launch: `random_kernels.py`) — so a row's draws never depend on the batch it shares, its position in that
-batch, the batch size or the device. This is what makes batched speculative decoding reproducible row by row:
-the same seed gives the same draws whether the request runs alone or among others (and the same text, unless a
-draw is decided within the last bits that batching moves in the logits: docs/usage.md, "Seeds and reproducibility").
+arithmetic on the seeds' device (on CUDA, the same arithmetic in one Triton launch: `random_kernels.py`) — so a
+row's draws never depend on the batch it shares, its position in that batch, the batch size or the device. This
+is what makes batched speculative decoding reproducible row by row: the same seed gives the same draws whether the
+request runs alone or among others (and the same text, unless a draw is decided within the last bits that batching
+moves in the logits: docs/usage.md, "Seeds and reproducibility").
 """
 
 from __future__ import annotations
