@@ -2,16 +2,24 @@
 
 Plain `generate` checks its `StoppingCriteriaList` after every token, on the whole `input_ids`.
 A speculative step appends several tokens per row at once, so each new token is checked with the
-row's prefix up to that token: EOS and max length vectorised, any other criterion (stop strings,
-user criteria, max time) called once per distinct prefix length. A row stops at its first hit.
+row's prefix up to that token: EOS, max length and stop strings vectorised on the device (so a captured step holds
+them), any other criterion (user criteria, max time) called once per distinct prefix length, read on the host.
+A row stops at its first hit.
 As in `generate`: with an EOS criterion a stopped row is finished and padded with `pad_token_id`;
 without one, stopped rows keep generating real tokens until every row has stopped.
 """
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
-from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
+from transformers.generation.stopping_criteria import (
+    EosTokenCriteria,
+    MaxLengthCriteria,
+    StoppingCriteriaList,
+    StopStringCriteria,
+)
 
 from hf_specdec.batch import RaggedBatch
 
@@ -27,7 +35,9 @@ class StopRules:
         self.eos_token_ids = torch.cat([e.reshape(-1) for e in eos]) if eos else None  # [E]
         self.max_lengths = [c.max_length for c in criteria if isinstance(c, MaxLengthCriteria)]
         general = [c for c in criteria if not isinstance(c, (EosTokenCriteria, MaxLengthCriteria))]
-        self.general = StoppingCriteriaList(general)
+        #: stop strings, checked on the device: transformers' criterion reads only the last `maximum_token_len` ids
+        self.stop_strings = [c for c in general if type(c) is StopStringCriteria]
+        self.general = StoppingCriteriaList([c for c in general if type(c) is not StopStringCriteria])
         self.stopped = torch.zeros(batch_size, dtype=torch.bool)  # [B]
         # Longest stop length of any row so far (the final width without EOS); a device tensor: no host sync.
         self.max_stop_length = torch.zeros((), dtype=torch.long)
@@ -60,6 +70,8 @@ class StopRules:
         if hits is None:
             for max_length in self.max_lengths:
                 hit |= index + 1 >= max_length
+            for criterion in self.stop_strings:
+                hit |= _stop_string_hits(criterion, batch.token_ids, index)
         hit &= fresh
         if hits is None and len(self.general) > 0:
             hit |= self._general_hits(batch, fresh & ~_after_first(hit), index)
@@ -83,6 +95,13 @@ class StopRules:
             hit[rows, cols] = done.to(hit.device)
             # Rows that stopped here must not be stopped again later in their block: earliest hit wins anyway.
         return hit
+
+    def stop_strings_key(self) -> tuple:
+        """What identifies the stop strings' token tables (the graphs a call keeps read them: `graph_reuse`)."""
+        return tuple(
+            (c.maximum_token_len, hashlib.sha1(c.embedding_vec.cpu().numpy().tobytes()).hexdigest())
+            for c in self.stop_strings
+        )
 
     def done(self, batch: RaggedBatch) -> torch.Tensor:  # [B] rows that can leave the batch
         stopped = self.stopped.to(batch.device)
@@ -110,6 +129,22 @@ class StopRules:
         for row in live:
             past_end[row] = False
         return block.masked_fill(past_end, self.pad_token_id)
+
+
+def _stop_string_hits(
+    criterion: StopStringCriteria,
+    token_ids: torch.Tensor,  # [B, C]
+    index: torch.Tensor,  # [B, w] buffer column of each new token
+) -> torch.Tensor:  # [B, w] a stop string ends at this token
+    """The criterion on every (row, new token) at once: it reads only the last `maximum_token_len` ids of its
+    input, so each token's window of that many columns ending at it is that input. Columns before the buffer's
+    start get the criterion's own id for "no such token" (the last row of its table), which no stop string holds,
+    as a shorter input would."""
+    span = criterion.maximum_token_len
+    at = index[..., None] - torch.arange(span - 1, -1, -1, device=index.device)  # [B, w, M]
+    window = token_ids.gather(1, at.clamp(min=0).flatten(1)).view(at.shape)  # [B, w, M]
+    window = torch.where(at >= 0, window, criterion.embedding_vec.shape[0] - 1)
+    return criterion(window.flatten(0, 1), None).view(index.shape).to(index.device)  # [B, w]
 
 
 def _after_first(hit: torch.Tensor) -> torch.Tensor:  # [B, w] True strictly after each row's first hit

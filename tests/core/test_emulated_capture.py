@@ -11,7 +11,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import make_model, make_noisy_copy, make_prompts, spec_generate
+from conftest import EOS_ID, PAD_ID, make_model, make_noisy_copy, make_prompts, spec_generate
 from emulated_graphs import EmulatedGraph, EmulatedGraphs
 
 import hf_specdec
@@ -213,3 +213,30 @@ def test_seeded_sampling_with_prefix_readers_is_the_same_captured(emulated_graph
                **PREFIX_READERS)  # fmt: skip
     spec = dict(draft_model=draft, num_speculative_tokens=3, seed=11)
     assert_captured_draws_equal_uncaptured(target, make_prompts(3, seed=7), spec, gen, monkeypatch)
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_stop_strings_are_checked_in_the_captured_step(emulated_graphs, method):
+    """Stop strings are decided on the device (`stopping._stop_string_hits`): the steps replay, and rows stop
+    where plain `generate` stops them (a string that row 0 writes mid-way, spanning tokens)."""
+    from conftest import make_tokenizer
+
+    target = make_model("llama", seed=0)
+    tokenizer = make_tokenizer()
+    inputs = make_prompts(3, seed=3)
+    gen = dict(max_new_tokens=24, do_sample=False, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+    plain = target.generate(**inputs, **gen)
+    new = plain[:, inputs["input_ids"].shape[1] :]  # [B, N]
+    row = int((new != PAD_ID).sum(1).argmax())  # the row that runs longest before EOS
+    for start in range(3, 12):  # text it writes mid-way (two tokens): the first that stops plain generate
+        stop = tokenizer.decode(new[row, start : start + 2]).strip().removeprefix("##")
+        expected = target.generate(**inputs, **gen, stop_strings=stop, tokenizer=tokenizer)
+        if not torch.equal(expected, plain):
+            break
+    assert not torch.equal(expected, plain), "no stop string fired"
+    drafting = dict(draft_model=make_noisy_copy(target, seed=4)) if method == "draft" else dict(method="ngram")
+    spec = hf_specdec.SpecDecoder(**drafting, num_speculative_tokens=3)
+    out = spec_generate(target, inputs, spec, **gen, cache_implementation="static", spec_stop_strings=stop,
+                        spec_tokenizer=tokenizer)  # fmt: skip
+    assert torch.equal(out, expected)
+    assert spec.last_stats.num_graph_replays > 0

@@ -148,3 +148,34 @@ def test_a_call_after_the_kernels_change_captures_its_own_graphs(monkeypatch, em
         assert torch.equal(spec_generate(target, inputs, spec, **gen), plain), implementation
     assert adopted == [False, True, False, True]
     graph_reuse.clear(target)
+
+
+def test_kept_graphs_are_adopted_only_by_calls_with_the_same_stop_strings(monkeypatch, emulated_graphs):
+    """Stop strings are checked inside the captured step against their token tables: a later call adopts the kept
+    graphs only with the same strings (`StopRules.stop_strings_key`); with other strings it captures its own and
+    stops where plain `generate` does."""
+    from conftest import EOS_ID, PAD_ID, make_model, make_noisy_copy, make_prompts, make_tokenizer, spec_generate
+
+    import hf_specdec
+    from hf_specdec.step_graph import StepGraph
+
+    monkeypatch.delenv(graph_reuse.REUSE_ENV, raising=False)
+    adopted = []
+    reuse = StepGraph._reuse
+    monkeypatch.setattr(StepGraph, "_reuse", lambda self: (reuse(self), adopted.append(self.entry is not None)))
+    target, tokenizer = make_model("llama", seed=0), make_tokenizer()
+    draft = make_noisy_copy(target, seed=4)
+    inputs = make_prompts(2, seed=3, min_len=6, max_len=6)
+    gen = dict(max_new_tokens=20, do_sample=False, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+    plain = target.generate(**inputs, **gen)
+    new = plain[:, inputs["input_ids"].shape[1] :]  # [B, N]
+    row = int((new != PAD_ID).sum(1).argmax())
+    strings = [tokenizer.decode(new[row, s : s + 2]).strip().removeprefix("##") for s in (3, 9)]
+    for stop in (strings[0], strings[0], strings[1]):
+        expected = target.generate(**inputs, **gen, stop_strings=stop, tokenizer=tokenizer)
+        spec = hf_specdec.SpecDecoder(draft_model=draft, num_speculative_tokens=3)
+        out = spec_generate(target, inputs, spec, **gen, cache_implementation="static", spec_stop_strings=stop,
+                            spec_tokenizer=tokenizer)  # fmt: skip
+        assert torch.equal(out, expected), stop
+    assert adopted == [False, True, False]
+    graph_reuse.clear(target)

@@ -177,3 +177,27 @@ def test_stop_strings(target, noisy, kind, batch_size):
     finally:
         hf_specdec.uninstall()
     assert torch.equal(routed, expected)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_stop_strings_on_the_device_equal_the_criterion_on_each_prefix(seed):
+    """Every (row, new token) is checked at once over a window of the criterion's `maximum_token_len` columns
+    ending at the token (`stopping._stop_string_hits`): the same answer as transformers' criterion called on that
+    row's whole prefix, also where the prefix is shorter than the window (columns before the buffer)."""
+    from transformers.generation.stopping_criteria import StopStringCriteria
+
+    from hf_specdec.stopping import _stop_string_hits
+
+    tokenizer = make_tokenizer()
+    criterion = StopStringCriteria(tokenizer=tokenizer, stop_strings=["aab", "e3e", "t"])
+    pieces = tokenizer.convert_tokens_to_ids(["a", "##b", "e", "##3", "##e", "3", "t", "##t", "b", "##a", "x"])
+    g = torch.Generator().manual_seed(seed)
+    token_ids = torch.tensor(pieces)[torch.randint(0, len(pieces), (6, 12), generator=g)]  # [B, C]
+    index = torch.randint(0, 12, (6, 5), generator=g)  # [B, w] columns of new tokens, short prefixes included
+    token_ids[0, :2] = torch.tensor(tokenizer.convert_tokens_to_ids(["##a", "##b"]))  # "ab": not "aab", though
+    index[0, 0] = 1  # a window that repeated column 0 ("##a ##a ##b") would read it so
+    got = _stop_string_hits(criterion, token_ids, index)
+    expected = torch.tensor([[bool(criterion(token_ids[i : i + 1, : int(c) + 1], None)[0]) for c in row]
+                             for i, row in enumerate(index)])  # fmt: skip
+    assert expected.any() and not expected.all()  # both answers occur: the check can fail
+    assert torch.equal(got, expected)
