@@ -197,7 +197,8 @@ class SpeculativeLoop:
         return (
             kernels(self.model), self.batch.batch_size, self.batch.capacity, self.max_length, self.k,
             self.static.max_columns, str(self.batch.device), self.sampling.do_sample,
-            tuple(settings(p) for p in self.sampling.pure), settings(stops), tuple(stops.max_lengths),
+            tuple(settings(p) for p in self.sampling.pure), tuple(f.key() for f in self.sampling.forms if f),
+            settings(stops), tuple(stops.max_lengths),
             stops.stop_strings_key(),
             settings(self.proposer), settings(inner), models, type(self.budgets.schedule).__name__,
             os.environ.get(SAMPLER_ENV, ""),  # Triton or torch draws and sampler

@@ -5,11 +5,14 @@ with its own prefix (`StepSampling.process`), and calling a prefix-reading proce
 length reads those lengths on the host: a captured step (one CUDA graph) cannot. These forms score all positions
 at once over the step's token buffer `[B, C]` and each position's prefix length, with the same arithmetic as
 transformers' processor on that prefix (tests/sampling/test_prefix_processors.py holds them equal on random
-prefixes, padding and ignored prompt columns included). Covered: repetition penalty, no-repeat n-gram, minimum
-length and minimum new tokens. Any other prefix-reading processor keeps the per-prefix path (uncaptured).
+prefixes, padding and ignored prompt columns included). Covered: repetition penalty, no-repeat n-gram, bad words,
+minimum length and minimum new tokens, forced BOS and EOS, suppress-at-begin. The others (sequence bias, whose sums
+of finite biases follow transformers' order of additions; the exponential length penalty, a float power) keep the
+per-prefix path (uncaptured).
 
 Each form keeps its per-row and device state as tensor attributes (hf_specdec objects reachable from the loop), so
-a captured step reads them at fixed addresses and graph reuse copies a later call's values in.
+a captured step reads them at fixed addresses and graph reuse copies a later call's values in; what it bakes in
+besides (penalties, lengths, the bad words) is its `key()`, part of the kept graphs' signature.
 """
 
 from __future__ import annotations
@@ -40,6 +43,9 @@ class RepetitionPenalty:
         present = present.scatter_(2, ids, True)[..., :vocab]  # [B, w, V]
         return torch.where(present, torch.where(scores < 0, scores * self.penalty, scores / self.penalty), scores)
 
+    def key(self) -> tuple:
+        return ("repetition_penalty", self.penalty)
+
     def select_rows(self, keep: torch.Tensor) -> None:
         self.ignore = self.ignore[keep.to(self.ignore.device)]
 
@@ -68,6 +74,9 @@ class NoRepeatNGram:
         banned = banned.scatter_(2, ids, True)[..., :vocab]  # [B, w, V]
         return scores.masked_fill(banned, -float("inf"))
 
+    def key(self) -> tuple:
+        return ("no_repeat_ngram", self.ngram_size)
+
     def select_rows(self, keep: torch.Tensor) -> None:
         pass
 
@@ -89,17 +98,101 @@ class MinLength:
         short = (prefix_lengths - self.skip < self.minimum)[..., None]  # [B, w, 1]
         return torch.where(short & is_eos, -float("inf"), scores)
 
+    def key(self) -> tuple:
+        return ("min_length", self.skip, self.minimum)
+
     def select_rows(self, keep: torch.Tensor) -> None:
         pass
 
 
-DeviceForm = RepetitionPenalty | NoRepeatNGram | MinLength
+class BadWords:
+    """`NoBadWordsLogitsProcessor`: a bad word of one token is always banned; one of m tokens bans its last token
+    where the prefix ends with its first m - 1 (scores + a bias of 0 or -inf, as transformers adds it)."""
+
+    def __init__(self, processor: lp.NoBadWordsLogitsProcessor, row_ids: torch.Tensor) -> None:
+        words = [tuple(int(t) for t in word) for word in processor.sequence_bias]  # EOS-only words already dropped
+        self.words = tuple(sorted(words))
+        self.largest_id = max(max(word) for word in words)
+        device = row_ids.device
+        self.single = torch.tensor([w[0] for w in words if len(w) == 1], dtype=torch.long, device=device)  # [S]
+        by_length: dict[int, list[tuple[int, ...]]] = {}
+        for word in words:
+            if len(word) > 1:
+                by_length.setdefault(len(word) - 1, []).append(word)
+        #: per length m - 1 of the words' prefixes: (prefixes [G, m - 1], last tokens [G])
+        self.groups = [
+            (torch.tensor([w[:-1] for w in group], device=device), torch.tensor([w[-1] for w in group], device=device))
+            for group in by_length.values()
+        ]
+
+    def __call__(self, token_ids: torch.Tensor, prefix_lengths: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        batch_size, width, vocab = scores.shape
+        if self.largest_id >= vocab:
+            raise ValueError(
+                f"The model vocabulary size is {vocab}, but bad_words_ids holds token {self.largest_id}: every id "
+                f"must be below {vocab}."
+            )
+        capacity = token_ids.shape[1]
+        banned = torch.zeros(batch_size, width, vocab + 1, dtype=torch.bool, device=scores.device)
+        banned[..., self.single] = True
+        for prefixes, last in self.groups:  # [G, m], [G]
+            m = prefixes.shape[1]
+            cols = prefix_lengths[..., None] - m + torch.arange(m, device=token_ids.device)  # [B, w, m]
+            tail = token_ids.gather(1, cols.clamp(0, capacity - 1).flatten(1)).view(cols.shape)  # [B, w, m]
+            match = (tail[:, :, None, :] == prefixes).all(-1) & (prefix_lengths >= m)[..., None]  # [B, w, G]
+            banned.scatter_(2, torch.where(match, last, vocab), True)
+        bias = torch.zeros_like(scores).masked_fill_(banned[..., :vocab], -float("inf"))  # [B, w, V]
+        return scores + bias
+
+    def key(self) -> tuple:
+        return ("bad_words", self.words)
+
+    def select_rows(self, keep: torch.Tensor) -> None:
+        pass
+
+
+class ForcedToken:
+    """`ForcedBOSTokenLogitsProcessor`, `ForcedEOSTokenLogitsProcessor` and
+    `SuppressTokensAtBeginLogitsProcessor`: at one prefix length (1; max_length - 1; the begin index) the scores of
+    every other token (forced) or of the given tokens (suppressed) become -inf, the forced ones 0."""
+
+    def __init__(self, processor: lp.LogitsProcessor, row_ids: torch.Tensor) -> None:
+        device = row_ids.device
+        self.suppress = isinstance(processor, lp.SuppressTokensAtBeginLogitsProcessor)
+        if self.suppress:
+            self.at, tokens = int(processor.begin_index), processor.begin_suppress_tokens
+        elif isinstance(processor, lp.ForcedBOSTokenLogitsProcessor):
+            self.at, tokens = 1, processor.bos_token_id
+        else:
+            self.at, tokens = int(processor.max_length) - 1, processor.eos_token_id
+        self.tokens = torch.as_tensor(tokens).reshape(-1).to(device, copy=True)  # [T]
+
+    def __call__(self, token_ids: torch.Tensor, prefix_lengths: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        listed = torch.isin(torch.arange(scores.shape[-1], device=scores.device), self.tokens)  # [V]
+        here = (prefix_lengths == self.at)[..., None]  # [B, w, 1]
+        if self.suppress:
+            return torch.where(here & listed, -float("inf"), scores)
+        forced = torch.where(listed, 0.0, -float("inf")).to(scores.dtype)  # [V]
+        return torch.where(here, forced, scores)
+
+    def key(self) -> tuple:
+        return ("forced", self.suppress, self.at)
+
+    def select_rows(self, keep: torch.Tensor) -> None:
+        pass
+
+
+DeviceForm = RepetitionPenalty | NoRepeatNGram | MinLength | BadWords | ForcedToken
 
 _FORMS: dict[str, type] = {
     "RepetitionPenaltyLogitsProcessor": RepetitionPenalty,
     "NoRepeatNGramLogitsProcessor": NoRepeatNGram,
     "MinLengthLogitsProcessor": MinLength,
     "MinNewTokensLengthLogitsProcessor": MinLength,
+    "NoBadWordsLogitsProcessor": BadWords,
+    "ForcedBOSTokenLogitsProcessor": ForcedToken,
+    "ForcedEOSTokenLogitsProcessor": ForcedToken,
+    "SuppressTokensAtBeginLogitsProcessor": ForcedToken,
 }
 
 

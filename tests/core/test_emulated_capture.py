@@ -188,12 +188,19 @@ def test_captured_mtp_sampling_draws_what_the_uncaptured_step_draws(emulated_gra
     assert_captured_draws_equal_uncaptured(target, inputs, spec, gen, monkeypatch)
 
 
-PREFIX_READERS = dict(repetition_penalty=1.3, no_repeat_ngram_size=3, min_new_tokens=10)
+PREFIX_READERS = dict(
+    repetition_penalty=1.3,
+    no_repeat_ngram_size=3,
+    min_new_tokens=10,
+    bad_words_ids=[[3], [5, 9]],
+    forced_eos_token_id=7,
+)
 
 
 @pytest.mark.parametrize("method", ["draft", "ngram"])
 def test_prefix_reading_processors_are_captured_and_equal_plain(emulated_graphs, method):
-    """Repetition penalty, no-repeat n-gram and a minimum of new tokens (with an EOS the model emits early) run in
+    """Repetition penalty, no-repeat n-gram, bad words, forced EOS and a minimum of new tokens (with an EOS the
+    model emits early) run in
     the captured step through their device forms (`sampling/prefix_processors.py`): replays, and plain's tokens."""
     target = make_model("llama", seed=0)
     drafting = dict(draft_model=make_noisy_copy(target, seed=4)) if method == "draft" else dict(method="ngram")

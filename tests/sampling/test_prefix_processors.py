@@ -42,12 +42,18 @@ def processors(row_ids: torch.Tensor, total_rows: int) -> list:
         lp.NoRepeatNGramLogitsProcessor(5),
         lp.MinLengthLogitsProcessor(9, eos_token_id=[2, 5]),
         lp.MinNewTokensLengthLogitsProcessor(prompt_length_to_skip=6, min_new_tokens=4, eos_token_id=3),
+        lp.NoBadWordsLogitsProcessor([[4], [1, 2], [2, 1], [0, 3, 3], [3, 1, 2, 0], [5]], eos_token_id=5),
+        lp.NoBadWordsLogitsProcessor([[1, 2, 3, 1, 2]]),
+        lp.ForcedBOSTokenLogitsProcessor(bos_token_id=7),
+        lp.ForcedEOSTokenLogitsProcessor(max_length=9, eos_token_id=[2, 6]),
+        lp.SuppressTokensAtBeginLogitsProcessor([1, 8], begin_index=5),
     ] + [lp.RepetitionPenaltyLogitsProcessor(1.5, prompt_ignore_length=ignore)]
 
 
 @pytest.mark.parametrize("seed", range(6))
 def test_device_forms_equal_the_processors_on_each_prefix(seed: int) -> None:
     token_ids, prefix_lengths, scores = random_case(seed)
+    prefix_lengths[0, 0] = 1  # forced BOS fires at a prefix of one token
     total_rows = 8
     row_ids = torch.randperm(total_rows, generator=torch.Generator().manual_seed(seed))[: scores.shape[0]]  # [B]
     for processor in processors(row_ids, total_rows):
@@ -71,7 +77,14 @@ def test_a_subclass_or_another_processor_has_no_device_form() -> None:
 
     row_ids = torch.arange(2)
     assert device_form(Custom(1.2), row_ids) is None
-    assert device_form(lp.NoBadWordsLogitsProcessor([[1, 2]], eos_token_id=0), row_ids) is None
+    assert device_form(lp.SequenceBiasLogitsProcessor([[[1, 2], 0.5]]), row_ids) is None
+
+
+def test_a_bad_word_past_the_vocabulary_is_refused_as_transformers_refuses_it() -> None:
+    token_ids, prefix_lengths, scores = random_case(0)
+    form = device_form(lp.NoBadWordsLogitsProcessor([[1, 40]]), torch.arange(scores.shape[0]))
+    with pytest.raises(ValueError, match="vocabulary size is 11"):
+        form(token_ids, prefix_lengths, scores)
 
 
 def test_selected_rows_keep_their_ignored_columns() -> None:
