@@ -179,3 +179,30 @@ def test_kept_graphs_are_adopted_only_by_calls_with_the_same_stop_strings(monkey
         assert torch.equal(out, expected), stop
     assert adopted == [False, True, False]
     graph_reuse.clear(target)
+
+
+def test_kept_graphs_are_adopted_only_by_calls_with_the_same_bad_words(monkeypatch, emulated_graphs):
+    """A device form bakes its constants into the graph (the bad words' token lists): they are part of the
+    signature (`key()`), so a call with other bad words captures its own graphs and bans its own words."""
+    from conftest import make_model, make_noisy_copy, make_prompts, spec_generate
+
+    import hf_specdec
+    from hf_specdec.step_graph import StepGraph
+
+    monkeypatch.delenv(graph_reuse.REUSE_ENV, raising=False)
+    adopted = []
+    reuse = StepGraph._reuse
+    monkeypatch.setattr(StepGraph, "_reuse", lambda self: (reuse(self), adopted.append(self.entry is not None)))
+    target = make_model("llama", seed=0)
+    draft = make_noisy_copy(target, seed=4)
+    inputs = make_prompts(2, seed=3, min_len=6, max_len=6)
+    gen = dict(max_new_tokens=16, do_sample=False, eos_token_id=None)
+    plain = target.generate(**inputs, **gen)
+    frequent = torch.bincount(plain[:, 6:].flatten()).topk(2).indices.tolist()  # tokens plain writes most
+    for words in ([[frequent[0]]], [[frequent[0]]], [[frequent[1]]]):
+        expected = target.generate(**inputs, **gen, bad_words_ids=words)
+        spec = hf_specdec.SpecDecoder(draft_model=draft, num_speculative_tokens=3)
+        out = spec_generate(target, inputs, spec, **gen, bad_words_ids=words, cache_implementation="static")
+        assert torch.equal(out, expected), words
+    assert adopted == [False, True, False]
+    graph_reuse.clear(target)
