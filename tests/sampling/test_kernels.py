@@ -1,41 +1,23 @@
 """Triton rejection-sampling kernels vs the torch reference (id for id) and vs the target law (chi-square).
 
-The kernels run on CPU tensors in the Triton interpreter. TRITON_INTERPRET=1 only works if it is set before
-`triton` is first imported (triton.language's own jitted helpers are built at import; `import hf_specdec` pulls in
-triton through torch._dynamo). This module sets it before its own imports; if another module imported triton
-first in this pytest process, the in-process tests skip and `test_kernels_in_subprocess` re-runs this file in a
-fresh interpreter with TRITON_INTERPRET=1 (that is what a full `pytest tests` run does).
+The kernels run on CPU tensors in the Triton interpreter (tests/triton_interpreter.py): here if this process could
+still turn it on, else `test_kernels_in_subprocess` re-runs this file in a fresh process that has it.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from triton_interpreter import in_subprocess, interpreted, rerun_interpreted
 
-if "triton" not in sys.modules and not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # must precede the first `import triton`
-pytest.importorskip("triton")
 pytest.importorskip("scipy")
 
 from scipy.stats import chisquare  # noqa: E402
 
 from hf_specdec.sampling import random as rnd  # noqa: E402
-from hf_specdec.sampling.kernels import rejection_sample_triton, triton_interprets  # noqa: E402
+from hf_specdec.sampling.kernels import rejection_sample_triton  # noqa: E402
 from hf_specdec.sampling.reference import rejection_sample_reference  # noqa: E402
 from hf_specdec.sampling.rejection import SAMPLER_ENV, rejection_sample  # noqa: E402
-
-IN_PROCESS = triton_interprets()
-interpreted = pytest.mark.skipif(
-    not IN_PROCESS,
-    reason="covered in a subprocess instead (another test imported triton first, without its CPU interpreter; "
-    "test_kernels_in_subprocess runs these there)",
-)
-REPO = Path(__file__).resolve().parents[2]
 
 # Knobs that force the GPU code paths on tiny shapes: several vocab tiles and chunks per position.
 TILED = dict(block_stats=16, block_race=16, num_splits=(2, 3), rows_per_program=4)
@@ -261,13 +243,9 @@ def test_shape_errors_name_the_input() -> None:
         rejection_sample_triton(**inputs)
 
 
-@pytest.mark.skipif(IN_PROCESS, reason="the interpreter is on in this process: the tests above ran here")
+@in_subprocess
 def test_kernels_in_subprocess() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve())]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert " passed" in proc.stdout, proc.stdout[-2000:]
+    rerun_interpreted(__file__, timeout=900)
 
 
 @pytest.mark.requires_cuda

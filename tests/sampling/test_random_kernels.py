@@ -1,31 +1,19 @@
 """The Triton draws (`random_kernels.draws_triton`) equal the torch draws of `random.py` bit for bit.
 
-On the CPU the kernel runs in the Triton interpreter (TRITON_INTERPRET=1 must precede the first import of triton:
-as in test_kernels.py, a process that imported triton first re-runs this file in a subprocess); on a GPU, compiled,
-and captured in a CUDA graph that reads the step counter from the device.
+On the CPU the kernel runs in the Triton interpreter (tests/triton_interpreter.py: here, or in a fresh process where
+this one imported triton first); on a GPU, compiled, and captured in a CUDA graph that reads the step counter from
+the device.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from triton_interpreter import in_subprocess, interpreted, rerun_interpreted
 
-if "triton" not in sys.modules and not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # must precede the first `import triton`
-pytest.importorskip("triton")
+from hf_specdec.sampling import random as rnd
+from hf_specdec.sampling.random_kernels import BLOCK
 
-from hf_specdec.sampling import random as rnd  # noqa: E402
-from hf_specdec.sampling.kernels import triton_interprets  # noqa: E402
-from hf_specdec.sampling.random_kernels import BLOCK  # noqa: E402
-
-IN_PROCESS = triton_interprets()
-interpreted = pytest.mark.skipif(not IN_PROCESS, reason="run by test_draws_in_subprocess (triton was imported first)")
-REPO = Path(__file__).resolve().parents[2]
 SEEDS = torch.tensor([0, 1, -1, 2**63 - 1, -(2**63), 123456789012345], dtype=torch.int64)  # [6] edge words too
 
 
@@ -60,13 +48,9 @@ def test_a_device_step_gives_the_draws_of_the_int_it_holds_and_no_rows_gives_not
     assert draws_triton(SEEDS[:0], 0, 0, 5, exponential=True).shape == (0, 5)
 
 
-@pytest.mark.skipif(IN_PROCESS, reason="the interpreter is on in this process: the tests above ran here")
+@in_subprocess
 def test_draws_in_subprocess() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve())]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert " passed" in proc.stdout, proc.stdout[-2000:]
+    rerun_interpreted(__file__, timeout=600)
 
 
 @pytest.mark.requires_cuda
