@@ -26,7 +26,6 @@ import transformers
 
 import hf_specdec
 from benchmarks import bench_gpu_e2e as e2e
-from hf_specdec import adaptive
 from hf_specdec.batch import RaggedBatch
 from hf_specdec.cache_route import CAPTURE_ENV
 from hf_specdec.decoding import StaticPlan
@@ -223,9 +222,8 @@ def main() -> None:
             results["sampler_graph"] = sampler_in_graph()
     elif args.part == "adaptive":
         for alpha in (0.0, 0.8):  # the library's default schedule: a useless draft, and a good one
-            # The schedule keeps what it learned per target model across calls; the draft here is one object whose
-            # alpha the benchmark changes, so each setting starts from what a fresh process would know.
-            adaptive._MEMORY.pop(target, None)
+            # The draft is one object whose alpha the benchmark changes: its acceptance is learned anew per alpha
+            # (`model_guard.model_version`), as for any user whose draft changed.
             rows.append(run_setting(f"B=1 alpha={alpha} adaptive", target, draft, all_inputs[1], 4, alpha, n_new,
                                     stock=False, schedule="adaptive", per_forward=not args.no_per_forward))  # fmt: skip
     else:

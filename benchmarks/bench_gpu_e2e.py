@@ -206,10 +206,8 @@ def phase_timer() -> Iterator[dict[str, float]]:
 
 
 def adaptive_row(target, draft, inputs, expected, alpha: float, k: int, gen: dict) -> dict:  # noqa: ANN001
-    """hf_specdec with the adaptive schedule at one alpha: acceptance learned afresh (the cost tables are kept)."""
-    from hf_specdec import adaptive
-
-    adaptive._MEMORY.get(target, adaptive.ModelMemory()).stats.clear()  # a new alpha is a new workload
+    """hf_specdec with the adaptive schedule at one alpha: a new alpha changes the draft's fingerprint, so its
+    acceptance is learned afresh (the cost tables are kept), as for any user whose draft changed."""
     spec = hf_specdec.SpecDecoder(
         draft_model=draft, num_speculative_tokens=k, num_speculative_tokens_schedule="adaptive"
     )

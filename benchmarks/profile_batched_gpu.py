@@ -34,7 +34,7 @@ import transformers
 import hf_specdec
 from benchmarks import bench_gpu_default as default
 from benchmarks import bench_gpu_e2e as e2e
-from hf_specdec import adaptive, grouped_attention
+from hf_specdec import grouped_attention
 
 K = 4
 
@@ -181,7 +181,6 @@ def main() -> None:
                              new_tokens=args.new_tokens, prompt_len=args.prompt_len, turns=args.turns),
                    rows=[])  # fmt: skip
     for batch in args.batches:
-        adaptive._MEMORY.pop(target, None)
         results["rows"].append(
             profile_batch(target, draft, all_inputs[batch], args.new_tokens, args.turns, not args.no_phases)
         )

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from hf_specdec.config import SpecDecoder
     from hf_specdec.generation import SpecDecodeOutput, generate
+    from hf_specdec.graph_reuse import forget_graphs
     from hf_specdec.metrics import SpecDecodeStats
     from hf_specdec.proposers.eagle3_head import load_draft_head
     from hf_specdec.routing import install, is_installed, uninstall
@@ -24,6 +25,7 @@ _EXPORTS = {
     "SpecDecodeOutput": "hf_specdec.generation",
     "SpecDecodeStats": "hf_specdec.metrics",
     "SpecDecoder": "hf_specdec.config",
+    "forget_graphs": "hf_specdec.graph_reuse",
     "generate": "hf_specdec.generation",
     "install": "hf_specdec.routing",
     "load_draft_head": "hf_specdec.proposers.eagle3_head",
@@ -35,6 +37,7 @@ __all__ = [
     "SpecDecodeOutput",
     "SpecDecodeStats",
     "SpecDecoder",
+    "forget_graphs",
     "generate",
     "install",
     "is_installed",

@@ -25,7 +25,6 @@ their keys; for a draft model it is taken before drafting, from the one key's st
 
 from __future__ import annotations
 
-import itertools
 import math
 import time
 import weakref
@@ -35,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hf_specdec.batch import RaggedBatch
+from hf_specdec.model_guard import model_serial
 from hf_specdec.proposers.base import Proposal
 from hf_specdec.schedules import SpeculationSchedule
 
@@ -276,16 +276,6 @@ class ModelMemory:
 
 #: Per target model (weakly: it goes with the model), shared by every call on it.
 _MEMORY: weakref.WeakKeyDictionary[object, ModelMemory] = weakref.WeakKeyDictionary()
-_SERIALS: weakref.WeakKeyDictionary[object, int] = weakref.WeakKeyDictionary()
-_NEXT_SERIAL = itertools.count()
-
-
-def model_serial(model: object) -> int:
-    """A number that names `model` for as long as it lives and is never reused (`id()` is, once it is freed: a new
-    draft would inherit a dead one's acceptance statistics)."""
-    if model not in _SERIALS:
-        _SERIALS[model] = next(_NEXT_SERIAL)
-    return _SERIALS[model]
 
 
 @dataclass

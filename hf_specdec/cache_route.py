@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 
 from hf_specdec import compat, step_graph
+from hf_specdec.model_guard import fingerprint
 from hf_specdec.recurrent import is_hybrid
 from hf_specdec.static_cache import StaticPlan
 
@@ -182,9 +183,10 @@ def static_plan(
             return None
         if is_hybrid(m):  # the recurrent rollback hooks the mixers and re-runs them: hybrids run eagerly
             return None
+        guard = fingerprint([m])  # a forward hook or a replaced weight since the last compile: compile anew
         if plan.capture_steps:  # the loop captures whole steps: forwards compiled without graphs of their own
-            return compat.compiled_call_without_graphs(m, generation_config)
-        return compat.compiled_call(m, generation_config)
+            return compat.compiled_call_without_graphs(m, generation_config, guard)
+        return compat.compiled_call(m, generation_config, guard)
 
     plan = StaticPlan(k=k, max_columns=max_columns, compiled_call=compiled_for)
     plan.hybrid = any(m is not None and is_hybrid(m) for m in (model, spec.draft_model))

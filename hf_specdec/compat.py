@@ -1,4 +1,4 @@
-"""The transformers internals hf_specdec relies on, gathered in one place.
+"""The transformers (and torch) internals hf_specdec relies on, gathered in one place.
 
 Each helper names the private API it wraps, so that a transformers upgrade that moves one breaks here, in one
 module, not across the package. Covered: transformers 5.17 (the GPU image) to 5.24 (which renamed the models'
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
@@ -79,31 +79,45 @@ def generate_output_fields(cache: object) -> dict[str, object]:
     return {next((n for n in CACHE_NAMES if n in fields), CACHE_ARGUMENT): cache}
 
 
-#: model -> ((compile settings), its compiled __call__ without CUDA graphs), for the captured speculative step.
-_UNGRAPHED_CALLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+def global_module_hooks() -> tuple:
+    """torch's global forward and forward-pre module hooks (`torch.nn.modules.module._global_forward_hooks` and
+    kin, which `register_module_forward_hook` fills) as (kind, ((handle id, hook id), ...)) pairs."""
+    from torch.nn.modules import module
+
+    kinds = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_forward_hooks_with_kwargs",
+             "_global_forward_hooks_always_called")  # fmt: skip
+    return tuple((kind, tuple((k, id(v)) for k, v in getattr(module, kind, {}).items())) for kind in kinds)
 
 
-def compiled_call(model: PreTrainedModel, generation_config: GenerationConfig) -> Callable | None:
+def compiled_call(
+    model: PreTrainedModel, generation_config: GenerationConfig, guard: Hashable = None
+) -> Callable | None:
     """`model`'s compiled `__call__` exactly when plain `generate` would compile its decoding steps, else None.
 
     Honours transformers' own knobs with their meaning: `generation_config.disable_compile`, `compile_config`
     (`GenerationMixin._valid_auto_compile_criteria`: a compileable cache on CUDA-like hardware, no CPU/disk offload,
-    a compileable quantizer) and `PreTrainedModel.get_compiled_call` (one `torch.compile` per model and config).
+    a compileable quantizer) and `PreTrainedModel.get_compiled_call` (one `torch.compile` per model and config,
+    shared with plain `generate`). `guard` is what the model's forward can see (`model_guard.fingerprint`): when it
+    differs from the one the call was compiled under (a hook, say, which dynamo does not guard by default), the
+    forward is compiled anew.
     """
     probe = {CACHE_ARGUMENT: StaticCache(config=model.config, max_cache_len=1)}
     if not model._valid_auto_compile_criteria(probe, generation_config):
         return None
-    return model.get_compiled_call(generation_config.compile_config)
+    settings = (generation_config.compile_config or CompileConfig()).to_dict()
+    return _guarded_compile(model, settings, guard, lambda: model.get_compiled_call(generation_config.compile_config))
 
 
-def compiled_call_without_graphs(model: PreTrainedModel, generation_config: GenerationConfig) -> Callable | None:
+def compiled_call_without_graphs(
+    model: PreTrainedModel, generation_config: GenerationConfig, guard: Hashable = None
+) -> Callable | None:
     """`compiled_call`'s forward with the same compile settings but no CUDA graphs of its own, for a caller that
     captures a whole step (with these calls inside) as one graph: `mode="reduce-overhead"` becomes inductor's
     default, `"max-autotune"` becomes `"max-autotune-no-cudagraphs"`. None exactly when `compiled_call` is None.
 
-    Compiled once per model and settings (cached here, apart from `PreTrainedModel.get_compiled_call`'s single
-    slot, so that plain `generate` calls in between do not recompile either)."""
-    if compiled_call(model, generation_config) is None:
+    Compiled once per model, settings and `guard` (cached here, apart from `PreTrainedModel.get_compiled_call`'s
+    single slot, so that plain `generate` calls in between do not recompile either)."""
+    if compiled_call(model, generation_config, guard) is None:
         return None
     settings = (generation_config.compile_config or CompileConfig()).to_dict()
     mode = settings.get("mode")
@@ -111,12 +125,32 @@ def compiled_call_without_graphs(model: PreTrainedModel, generation_config: Gene
     if settings.get("options"):
         settings["options"] = {**settings["options"], "triton.cudagraphs": False}
         settings["mode"] = None  # torch.compile takes either a mode or options
+    return _guarded_compile(model, settings, guard)
+
+
+#: model -> {compile settings: (guard, its compiled __call__)}
+_COMPILED_CALLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _guarded_compile(
+    model: torch.nn.Module, settings: dict, guard: Hashable, first: Callable[[], Callable] | None = None
+) -> Callable:
+    """`torch.compile(model.__call__, **settings)`, once per settings and guard (`first()` makes the first one)."""
     key = repr(sorted(settings.items(), key=lambda item: item[0]))
-    cached = _UNGRAPHED_CALLS.get(model)
-    if cached is None or cached[0] != key:
-        cached = (key, torch.compile(model.__call__, **settings))
-        _UNGRAPHED_CALLS[model] = cached
-    return cached[1]
+    calls = _COMPILED_CALLS.setdefault(model, {})
+    known = calls.get(key)
+    if known is not None and known[0] == guard:
+        return known[1]
+    # A guard that changed needs a compile of its own: a new torch.compile object, whose backend dynamo's cached
+    # entries (compiled under the old hooks) do not match.
+    call = first() if known is None and first is not None else torch.compile(model.__call__, **settings)
+    calls[key] = (guard, call)
+    return call
+
+
+def forget_compiled(model: torch.nn.Module) -> None:
+    """Drop hf_specdec's compiled calls of `model` (the next static call compiles anew)."""
+    _COMPILED_CALLS.pop(model, None)
 
 
 def num_compiled_graphs() -> int:

@@ -25,6 +25,7 @@ from hf_specdec.continuation import CacheHandoff
 from hf_specdec.draft_budgets import DraftBudgets
 from hf_specdec.exact import ExactPath
 from hf_specdec.metrics import SpecDecodeStats, StepRecord
+from hf_specdec.model_guard import ModelGuard, model_serial
 from hf_specdec.model_support import capture_hint
 from hf_specdec.proposers.base import Proposal, Proposer
 from hf_specdec.proposers.draft_model import draft_position_limit
@@ -129,9 +130,12 @@ class SpeculativeLoop:
                 description = f"a speculative step of {type(model).__name__}"
                 # The signature reads small processor tensors on the host: only when graphs may be kept for reuse.
                 signature = self._graph_signature() if graph_reuse.enabled() else None
+                # What the models' forwards can see now, before the proposer attaches its hooks: kept graphs are
+                # adopted only by calls whose models are the same in every respect (`model_guard`).
+                guard = ModelGuard(graph_reuse.driven_models(self, model)) if signature is not None else None
                 hint = lambda: capture_hint([view.model for view in static.views])  # noqa: E731 - views exist by then
                 self.step_graph = StepGraph(
-                    self, self.device_step, description, static.capture_steps, model, signature, hint
+                    self, self.device_step, description, static.capture_steps, model, signature, hint, guard
                 )
         self.handoff = handoff  # adopts a filled past_key_values; keeps leaving rows' caches to hand back
         if handoff is not None:
@@ -179,7 +183,6 @@ class SpeculativeLoop:
         """Everything a captured step bakes in besides its state tensors: shapes, Python numbers, the models (and
         the kernels they were set to: `set_attn_implementation`, `set_experts_implementation`) and the sampling and
         stopping settings. Calls with equal signatures can replay each other's graphs."""
-        from hf_specdec.adaptive import model_serial
 
         def settings(obj: object) -> tuple:  # a processor or a proposer: its type, scalar settings, small tensors
             values = [(k, v) for k, v in vars(obj).items() if isinstance(v, (int, float, str))]
@@ -497,7 +500,9 @@ class SpeculativeLoop:
         if self.step_graph is not None:
             self.stats.compile_time_s += self.step_graph.capture_time_s
             self.stats.num_graph_replays = self.step_graph.replays
-        sequences = self.sequences[:, :final_length]
+            self.stats.graph_reuse, self.stats.graph_reuse_reason = self.step_graph.reuse_outcome
+        # The caller's own copy: `self.sequences` may be a kept graph's tensor, which a later call writes.
+        sequences = self.sequences[:, :final_length].clone()
         sequences = self.stop_rules.pad_finished(sequences, self.final_lengths, 0, {})
         if self.streamer is not None:
             self.stream()

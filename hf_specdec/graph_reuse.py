@@ -5,8 +5,12 @@ ends, its graphs and its loop (which owns those tensors) are kept per target mod
 everything a graph bakes in (batch size, `max_length`, k, cache length, the models, dtypes, sampling and stopping
 settings). A later call with the same signature copies its own state into the homes and points its attributes at
 them (`adopt`), then replays. One call at a time uses an entry (a concurrent call with the same signature captures
-its own); at most `MAX_ENTRIES` are kept per model, the oldest dropped; `clear(model)` drops a model's entries (needed
-only after changing Python attributes that its forward reads).
+its own); at most `MAX_ENTRIES` are kept per model, the oldest dropped; `clear(model)` drops a model's entries.
+
+An entry also keeps the `model_guard.Fingerprint` of every model its graphs ran (the target and the models its
+proposer drives), taken when the call that captured them began. A call adopts an entry only when its own models'
+fingerprint is equal: a hook, a replaced parameter, a wrapped module, a changed Python attribute or `training` makes
+it capture anew and drop the stale entry. A call during which a model changed keeps nothing.
 
 Reuse is on by default (`HF_SPECDEC_REUSE_GRAPHS=0` turns it off): a call that adopts an entry skips the eager
 warm-up step and the capture of each step kind, about a third of a 64-token call at batch 1 on an H100. What an entry
@@ -23,12 +27,15 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from transformers.cache_utils import Cache
+
+from hf_specdec import compat
+from hf_specdec.model_guard import Fingerprint, model_serial
 
 REUSE_ENV = "HF_SPECDEC_REUSE_GRAPHS"
 MAX_ENTRIES = 4
@@ -52,6 +59,9 @@ class Entry:
     rebind_paths: list[tuple[str, str]] = field(default_factory=list)  # (owner path, attribute) replaced each step
     keepalive: list[object] = field(default_factory=list)  # earlier calls' loops (objects their graphs may read)
     in_use: bool = False
+    #: what the models' forwards could see when the graphs were captured (`model_guard`); None: not checked
+    guard: Fingerprint | None = None
+    model_ids: frozenset[int] = frozenset()  # the models the graphs ran (`forget` drops entries of any of them)
 
 
 _ENTRIES: weakref.WeakKeyDictionary[object, list[Entry]] = weakref.WeakKeyDictionary()
@@ -102,16 +112,39 @@ def snapshot(entry: Entry) -> None:
     entry.slots = {key: value for key, (_, _, value) in state_slots(entry.root, entry.device).items()}
 
 
-def checkout(model: object, signature: Hashable) -> Entry | None:
-    """A free entry of `model` with this signature, now in use by the caller; None if there is none."""
+def checkout(
+    model: object, signature: Hashable, changed: Callable[[Fingerprint], str | None] | None = None
+) -> tuple[Entry | None, str]:
+    """A free entry of `model` with this signature whose models are unchanged, now in use by the caller, or None and
+    why none was taken. `changed(fingerprint)` says what differs between the entry's models and the caller's (None
+    when nothing does); an entry whose models changed is dropped (its graphs replay what is gone)."""
     if not enabled():
-        return None
+        return None, f"{REUSE_ENV}=0"
+    why = "no kept graphs of this model with these shapes and settings"
     with _LOCK:
-        for entry in _ENTRIES.get(model, []):
-            if entry.signature == signature and not entry.in_use:
-                entry.in_use = True
-                return entry
-    return None
+        entries = _ENTRIES.get(model, [])
+        for entry in list(entries):
+            if entry.signature != signature:
+                continue
+            if entry.in_use:
+                why = "the kept graphs are in use by another call"
+                continue
+            difference = changed(entry.guard) if changed is not None and entry.guard is not None else None
+            if difference is not None:
+                entries.remove(entry)
+                why = f"the model changed since its graphs were kept ({difference})"
+                continue
+            entry.in_use = True
+            return entry, ""
+    return None, why
+
+
+def drop(model: object, entry: Entry) -> None:
+    """Forget `entry` (its call saw a model change: its graphs may replay either model)."""
+    with _LOCK:
+        entries = _ENTRIES.get(model, [])
+        if entry in entries:
+            entries.remove(entry)
 
 
 def keep(model: object, entry: Entry) -> None:
@@ -142,9 +175,32 @@ def entry_bytes(entry: Entry) -> int:
 
 
 def clear(model: object) -> None:
-    """Drop `model`'s kept graphs (and the caches they hold)."""
+    """Drop the kept graphs of `model` and of every target whose calls ran it (a draft), with the caches they hold."""
     with _LOCK:
         _ENTRIES.pop(model, None)
+        for entries in _ENTRIES.values():
+            entries[:] = [e for e in entries if id(model) not in e.model_ids or e.in_use]
+
+
+def forget_graphs(model: torch.nn.Module) -> None:
+    """Drop everything hf_specdec keeps to replay `model` fast: its kept CUDA graphs (and those of targets it
+    drafted for) and its compiled forwards. Never needed for exactness (a changed model is detected: see the module
+    doc); it frees the GPU memory the kept graphs and caches hold."""
+    clear(model)
+    compat.forget_compiled(model)
+
+
+def driven_models(root: object, target: torch.nn.Module) -> list[torch.nn.Module]:
+    """The target and every other model that the hf_specdec objects reachable from `root` hold (drafts, heads, MTP
+    layers), each once, in an order that does not depend on how the objects were built."""
+    found: dict[int, torch.nn.Module] = {}
+    for owner in owners_by_path(root).values():
+        for value in vars(owner).values():
+            values = value if isinstance(value, (list, tuple)) else (value,)
+            for item in values:
+                if isinstance(item, torch.nn.Module) and item is not target:
+                    found.setdefault(id(item), item)
+    return [target, *sorted(found.values(), key=model_serial)]
 
 
 def _layers(cache: Cache) -> list[tuple[torch.Tensor, torch.Tensor]]:

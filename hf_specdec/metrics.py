@@ -30,6 +30,9 @@ class SpecDecodeStats:
     compile_time_s: float = 0.0  # seconds in forwards that compiled or captured a graph (static caches on a GPU)
     num_compactions: int = 0  # static caches: in-place compactions of holes
     num_graph_replays: int = 0  # static caches on a GPU: steps run as one replayed CUDA graph
+    #: captured steps: "adopted" (replayed graphs an earlier call kept), "captured" (captured its own) or "" (none)
+    graph_reuse: str = ""
+    graph_reuse_reason: str = ""  # why no kept graphs were adopted, e.g. which check of the models failed
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
     # [2, k] drafted / accepted per position, on the loop's device until `finalize` (no host sync per step)

@@ -218,11 +218,12 @@ def build_schedule(
     """The per-row k schedule that `spec.num_speculative_tokens_schedule` names (None: always k)."""
     schedule = spec.num_speculative_tokens_schedule
     if schedule == "adaptive":
-        from hf_specdec.adaptive import AdaptiveSchedule, model_serial
+        from hf_specdec.adaptive import AdaptiveSchedule
+        from hf_specdec.model_guard import model_version
 
         key = f"ngram:{spec.prompt_lookup_min}-{spec.prompt_lookup_max}"
         if spec.draft_model is not None or spec.draft_head is not None:
-            key = f"{spec.method}:{model_serial(spec.draft_model or spec.draft_head)}"
+            key = f"{spec.method}:{model_version(spec.draft_model or spec.draft_head)}"
         elif spec.method != "ngram":
             key = "mtp" if spec.method == "mtp" else f"exit:{spec.early_exit_layers}"
         return AdaptiveSchedule(

@@ -29,6 +29,7 @@ import torch
 
 from hf_specdec import graph_reuse
 from hf_specdec.locks import CAPTURE_LOCK
+from hf_specdec.model_guard import ModelGuard
 
 #: Eager steps before a step is captured: the first step after the prefill compiles and moves the draft to its
 #: steady state (so the captured step changes host counters by the same amount every step).
@@ -137,14 +138,18 @@ class StepGraph:
         model: object = None,
         signature: Hashable | None = None,
         hint: Callable[[], str] | None = None,
+        guard: ModelGuard | None = None,
     ) -> None:
         self.root = root
         self.hint = hint  # what the user can change when a capture is refused ("" when nothing)
         self.model = model  # graphs are kept across calls per model and `signature` (`hf_specdec.graph_reuse`)
         self.device = getattr(getattr(root, "batch", None), "device", torch.device("cuda"))
         self.signature = signature
+        self.guard = guard  # the call's models as they were when it began: kept graphs must have seen the same
         self.entry: graph_reuse.Entry | None = None  # the kept graphs this call adopted
         self.reuse_tried = False
+        #: ("adopted" | "captured" | "", why nothing was adopted) for `SpecDecodeStats.graph_reuse`
+        self.reuse_outcome: tuple[str, str] = ("", "")
         self.capture = capture  # False (no GPU, or compiling switched off): every step runs eagerly
         self.step = step
         self.description = description  # what is captured, for the warning when it cannot be
@@ -187,15 +192,20 @@ class StepGraph:
     def _reuse(self) -> None:
         """Adopt the graphs a finished call kept for this signature, if any is free (`hf_specdec.graph_reuse`)."""
         self.reuse_tried = True
+        self.reuse_outcome = ("captured", "graph reuse is off for this call")
         if self.signature is None or self.model is None:
             return
-        entry = graph_reuse.checkout(self.model, self.signature)
+        changed = self.guard.changed_since if self.guard is not None else None
+        entry, why = graph_reuse.checkout(self.model, self.signature, changed)
+        self.reuse_outcome = ("captured", why)
         if entry is None:
             return
         if not graph_reuse.adopt(entry, self.root):
             graph_reuse.keep(self.model, entry)  # frees it
+            self.reuse_outcome = ("captured", "the kept graphs read state of other shapes")
             return
         self.entry = entry
+        self.reuse_outcome = ("adopted", "")
         owners = graph_reuse.owners_by_path(self.root)
         for key, kept in entry.graphs.items():
             deltas = [(owners[path], name, delta) for path, name, delta in kept.delta_paths]
@@ -206,11 +216,20 @@ class StepGraph:
         """The call ends: keep its graphs (and the state they read) for a later call with the same signature, or
         destroy them now (the loop and its StepGraph refer to each other: left to the garbage collector, the graphs
         would be destroyed at any later time, also while another thread captures, which CUDA refuses)."""
-        if not graph_reuse.enabled() or self.signature is None or self.model is None or not self.graphs:
+        changed = self.guard.changed_during_call() if self.guard is not None and self.graphs else None
+        if (
+            not graph_reuse.enabled() or self.signature is None or self.model is None or not self.graphs
+            or changed is not None
+        ):  # fmt: skip
+            if self.entry is not None:  # adopted, then a model changed mid-call: its graphs may replay either model
+                graph_reuse.drop(self.model, self.entry)
             self.graphs.clear()
             self.rebinds.clear()
             return
         entry = self.entry or graph_reuse.Entry(self.signature, self.root, self.device)
+        if self.guard is not None:
+            entry.guard = self.guard.fingerprint
+            entry.model_ids = frozenset(id(m) for m in self.guard.models)
         if self.entry is not None:  # this loop now owns every tensor the kept graphs and the new ones read
             entry.keepalive.append(entry.root)
             entry.root = self.root

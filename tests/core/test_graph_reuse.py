@@ -73,7 +73,7 @@ def test_kept_entries_hold_at_most_max_kept_bytes(monkeypatch):
     monkeypatch.setattr(graph_reuse, "MAX_KEPT_BYTES", size - 1)
     graph_reuse.clear(model)
     graph_reuse.keep(model, entry(3))
-    assert graph_reuse.checkout(model, ("B", 3)) is None
+    assert graph_reuse.checkout(model, ("B", 3))[0] is None
 
 
 def test_an_entry_serves_one_call_at_a_time_and_only_its_signature(monkeypatch):
@@ -85,18 +85,18 @@ def test_an_entry_serves_one_call_at_a_time_and_only_its_signature(monkeypatch):
     model = Model()
     entry = graph_reuse.Entry(signature=("B", 1), root=_state([[1]]), device=torch.device("cpu"))
     graph_reuse.keep(model, entry)
-    assert graph_reuse.checkout(model, ("B", 2)) is None
-    assert graph_reuse.checkout(model, ("B", 1)) is entry
-    assert graph_reuse.checkout(model, ("B", 1)) is None  # in use by the first caller
+    assert graph_reuse.checkout(model, ("B", 2))[0] is None
+    assert graph_reuse.checkout(model, ("B", 1))[0] is entry
+    assert graph_reuse.checkout(model, ("B", 1))[0] is None  # in use by the first caller
     graph_reuse.keep(model, entry)  # released
-    assert graph_reuse.checkout(model, ("B", 1)) is entry
+    assert graph_reuse.checkout(model, ("B", 1))[0] is entry
     for i in range(graph_reuse.MAX_ENTRIES + 2):
         graph_reuse.keep(
             model, graph_reuse.Entry(signature=("B", 10 + i), root=_state([[1]]), device=torch.device("cpu"))
         )
     assert len(graph_reuse._ENTRIES[model]) == graph_reuse.MAX_ENTRIES
     graph_reuse.clear(model)
-    assert graph_reuse.checkout(model, ("B", 10 + graph_reuse.MAX_ENTRIES + 1)) is None
+    assert graph_reuse.checkout(model, ("B", 10 + graph_reuse.MAX_ENTRIES + 1))[0] is None
 
 
 @pytest.mark.parametrize("method", ["draft", "ngram"])

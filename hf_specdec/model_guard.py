@@ -1,0 +1,215 @@
+"""What a model's forward can see, as a value that changes whenever the forward could compute something else.
+
+Kept CUDA graphs (`graph_reuse`) and compiled forwards replay whatever Python ran when they were made: the parameter
+objects and their addresses, the module tree, hooks, `training` and the Python numbers a forward reads. A
+`Fingerprint` records all of that for a model and its submodules: every parameter, buffer and tensor attribute (the
+object, its data pointer, dtype, shape and device), which module object sits at each path, forward and forward-pre
+hooks on every module and torch's global ones, and the plain Python values in each module's `__dict__` and config
+(bool, int, float, str, None, and tuples, lists or dicts of them; other objects by identity). Values written in place
+(an optimizer step, `load_state_dict`, `merge_adapter`'s weights) keep the fingerprint: the graphs read the same
+memory. Not seen: what a forward reads from a global or a closure variable.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from dataclasses import dataclass
+
+import torch
+from transformers import PretrainedConfig
+
+from hf_specdec import compat
+
+_PLAIN = (bool, int, float, str, type(None))
+#: `nn.Module` internals read separately (tensors, submodules, hooks) or never read by a forward
+_SKIPPED = frozenset(
+    {
+        "_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "_backward_hooks", "_backward_pre_hooks",
+        "_is_full_backward_hook", "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+        "_load_state_dict_post_hooks", "_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
+        "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called", "_compiled_call", "_last_compile_config",
+    }
+)  # fmt: skip
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs",
+          "_forward_hooks_always_called")  # fmt: skip
+_PARTS = ("modules", "tensors", "hooks", "attributes")
+
+
+def _tensor(value: torch.Tensor | None) -> tuple | None:
+    return None if value is None else (id(value), value.data_ptr(), value.dtype, value.shape, value.device)
+
+
+def _plain(value: object, depth: int = 0) -> object:
+    """`value` itself when it is plain data (scalars and containers of them), else the object's identity."""
+    kind = type(value)
+    if kind in _PLAIN:
+        return value
+    if depth < 3 and kind in (tuple, list):
+        return (kind.__name__, tuple(_plain(v, depth + 1) for v in value))
+    if depth < 3 and kind in (set, frozenset):
+        return (kind.__name__, tuple(sorted((_plain(v, depth + 1) for v in value), key=repr)))
+    if depth < 3 and kind is dict:
+        return ("dict", tuple((repr(k), _plain(v, depth + 1)) for k, v in value.items()))
+    return ("object", kind.__name__, id(value))
+
+
+def _config_values(config: PretrainedConfig, out: list) -> None:
+    for name, value in vars(config).items():
+        if isinstance(value, PretrainedConfig):
+            out.append((name, "config", id(value)))
+            _config_values(value, out)
+        elif type(value) in _PLAIN or type(value) in (tuple, list, dict):
+            out.append((name, _plain(value)))
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """What the forwards of some models can see (`fingerprint`); equal fingerprints replay the same computation.
+
+    Each part holds one entry per module, in the order of a depth-first walk of the models (`module_paths`)."""
+
+    modules: tuple  # (module id, class, child names)
+    tensors: tuple  # ((name, tensor id, data pointer, dtype, shape, device), ...): parameters, buffers, attributes
+    hooks: tuple  # ((kind, ((handle id, hook id), ...)), ...); the first entry holds torch's global hooks
+    attributes: tuple  # ((name, plain value), ...): `training`, numbers, strings, configs' values, objects' ids
+
+    def difference(self, other: Fingerprint, models: list[torch.nn.Module]) -> str | None:
+        """The first thing that differs from `other` (an earlier fingerprint of `models`), in words; None if equal."""
+        if self == other:
+            return None
+        paths = ["<torch global hooks>", *module_paths(models)]
+        for part in _PARTS:
+            mine, theirs = getattr(self, part), getattr(other, part)
+            if mine == theirs:
+                continue
+            offset = 0 if part == "hooks" else 1  # the hooks' first entry is torch's global ones
+            for index, (new, old) in enumerate(zip(mine, theirs)):
+                if new != old:
+                    where = paths[index + offset] if index + offset < len(paths) else f"module {index}"
+                    return f"{part} of {where or '<model>'}: {_first_change(new, old)}"
+            return f"{part}: {len(theirs)} entries before, {len(mine)} now"
+        return "changed"
+
+
+def _first_change(new: object, old: object) -> str:
+    """The name of the first entry that differs between two per-module tuples of (name, ...) entries."""
+    if isinstance(new, tuple) and isinstance(old, tuple):
+        for a, b in zip(new, old):
+            if a != b:
+                return repr(a[0] if isinstance(a, tuple) and a else a)
+        return "entries added" if len(new) > len(old) else "entries removed"
+    return "changed"
+
+
+def _modules_in_order(models: list[torch.nn.Module]) -> list[tuple[str, torch.nn.Module]]:
+    """Every module of `models`, depth first, with its path ("[i]" is models[i]); a module held twice appears twice."""
+    order: list[tuple[str, torch.nn.Module]] = []
+    stack = [(f"[{i}]", model) for i, model in reversed(list(enumerate(models)))]
+    while stack:
+        path, module = stack.pop()
+        order.append((path, module))
+        children = module.__dict__["_modules"]
+        stack.extend((f"{path}.{name}", child) for name, child in reversed(children.items()) if child is not None)
+    return order
+
+
+def module_paths(models: list[torch.nn.Module]) -> list[str]:
+    return [path for path, _ in _modules_in_order(models)]
+
+
+def fingerprint(models: list[torch.nn.Module]) -> Fingerprint:
+    """The fingerprint of `models` together (a module held by several, or twice, is read once)."""
+    modules: list[tuple] = []
+    tensors: list[tuple] = []
+    hooks: list[tuple] = [compat.global_module_hooks()]
+    attributes: list[tuple] = []
+    seen: set[int] = set()
+    configs: set[int] = set()  # configs read already (every attention layer of a model holds the model's)
+    skipped, plain = _SKIPPED, _PLAIN
+    stack = list(reversed(models))
+    while stack:
+        module = stack.pop()
+        state = module.__dict__
+        children = state["_modules"]
+        modules.append((id(module), type(module), tuple(children)))
+        if id(module) in seen:
+            tensors.append(())
+            hooks.append(())
+            attributes.append(())
+            stack.extend(child for child in reversed(children.values()) if child is not None)
+            continue
+        seen.add(id(module))
+        own = [(k, *_tensor(v)) if v is not None else (k,) for k, v in state["_parameters"].items()]
+        own += [(k, *_tensor(v)) if v is not None else (k,) for k, v in state["_buffers"].items()]
+        module_hooks = []
+        for kind in _HOOKS:
+            table = state.get(kind)
+            if table:
+                module_hooks.append((kind, tuple((k, id(v)) for k, v in table.items())))
+        values: list[tuple] = []
+        for key, value in state.items():
+            if key in skipped:
+                continue
+            if type(value) in plain:
+                values.append((key, value))
+            elif isinstance(value, torch.Tensor):
+                own.append((key, *_tensor(value)))
+            elif isinstance(value, PretrainedConfig):
+                values.append((key, "config", id(value)))
+                if id(value) not in configs:
+                    configs.add(id(value))
+                    _config_values(value, values)
+            else:
+                values.append((key, _plain(value)))
+        tensors.append(tuple(own))
+        hooks.append(tuple(module_hooks))
+        attributes.append(tuple(values))
+        stack.extend(child for child in reversed(children.values()) if child is not None)
+    return Fingerprint(tuple(modules), tuple(tensors), tuple(hooks), tuple(attributes))
+
+
+class ModelGuard:
+    """The models one call runs and their fingerprint when it began (the key its kept graphs are checked against)."""
+
+    def __init__(self, models: list[torch.nn.Module]) -> None:
+        self.models = models
+        self.fingerprint = fingerprint(models)
+
+    def changed_since(self, earlier: Fingerprint) -> str | None:
+        """What differs between `earlier` (an entry's) and this call's models, in words; None if nothing does."""
+        return self.fingerprint.difference(earlier, self.models)
+
+    def changed_during_call(self) -> str | None:
+        """What changed in the models since the call began (another thread's hook, say); None if nothing did."""
+        return fingerprint(self.models).difference(self.fingerprint, self.models)
+
+
+_SERIALS: weakref.WeakKeyDictionary[object, int] = weakref.WeakKeyDictionary()
+_NEXT_SERIAL = itertools.count()
+_VERSIONS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Fingerprint, int]] = weakref.WeakKeyDictionary()
+_LOCK = threading.Lock()
+
+
+def model_serial(model: object) -> int:
+    """A number that names `model` for as long as it lives and is never reused (`id()` is, once it is freed: a new
+    draft would inherit a dead one's acceptance statistics)."""
+    with _LOCK:
+        if model not in _SERIALS:
+            _SERIALS[model] = next(_NEXT_SERIAL)
+        return _SERIALS[model]
+
+
+def model_version(model: torch.nn.Module) -> str:
+    """`model_serial`, and how often the model's fingerprint changed since it was first seen here ("12.0", "12.1",
+    ...): what hf_specdec learns about a model's drafts (acceptance) is kept per version, so a draft whose forward
+    changed (a hook, a replaced weight, a Python setting it reads) is judged anew."""
+    now = fingerprint([model])
+    serial = model_serial(model)
+    with _LOCK:
+        seen, version = _VERSIONS.get(model, (now, 0))
+        if seen != now:
+            version += 1
+        _VERSIONS[model] = (now, version)
+    return f"{serial}.{version}"
