@@ -8,6 +8,7 @@ transformers' own speculation arguments here.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import warnings
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput
 
-from hf_specdec import compat
+from hf_specdec import compat, model_guard
 from hf_specdec.call_checks import HANDLED_MODEL_KWARGS, check_speculation_type
 from hf_specdec.config import SpecDecoder
 from hf_specdec.decoding import LoopOutput, SpeculativeLoop
@@ -72,24 +73,28 @@ def generate(
     `spec_streamer=`, `spec_tokenizer=` and `spec_stop_strings=` (or set them on the `SpecDecoder`, or use
     `hf_specdec.install()`, which forwards the usual names).
     """
-    plan = CallPlan.build(
-        model,
-        input_ids,
-        generation_config,
-        spec_decoder,
-        model_kwargs,
-        logits_processor,
-        stopping_criteria,
-        streamer=spec_streamer,
-        tokenizer=spec_tokenizer,
-        stop_strings=spec_stop_strings,
-    )
-    _stream_prompt(plan, input_ids, inspect.currentframe())
-    # A call on a GPU's static path (captured steps, compiled forwards) runs alone on its model (`hf_specdec.locks`):
-    # its caches are allocated and its graphs destroyed under the lock, never during another call's capture.
-    serial = plan.static is not None and (plan.static.can_capture or plan.static.compiled_call(model) is not None)
-    with model_call_lock(model, serial):
+    with contextlib.ExitStack() as setup, model_guard.read_once():  # each model is read once while the call is set up
+        plan = CallPlan.build(
+            model,
+            input_ids,
+            generation_config,
+            spec_decoder,
+            model_kwargs,
+            logits_processor,
+            stopping_criteria,
+            streamer=spec_streamer,
+            tokenizer=spec_tokenizer,
+            stop_strings=spec_stop_strings,
+        )
+        _stream_prompt(plan, input_ids, inspect.currentframe())
+        # A call on a GPU's static path (captured steps, compiled forwards) runs alone on its model
+        # (`hf_specdec.locks`): its caches are allocated and its graphs destroyed under the lock, never during
+        # another call's capture.
+        serial = plan.static is not None and (plan.static.can_capture or plan.static.compiled_call(model) is not None)
+        setup.enter_context(model_call_lock(model, serial))
         loop = build_loop(model, plan)
+        lock = setup.pop_all()  # held until the call ends
+    with lock:
         result = loop.run()
     plan.spec.last_stats = loop.stats
     return outputs(plan, result, loop.stats)

@@ -12,9 +12,12 @@ memory. Not seen: what a forward reads from a global or a closure variable.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import itertools
 import threading
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +26,7 @@ from transformers import PretrainedConfig
 from hf_specdec import compat
 
 _PLAIN = (bool, int, float, str, type(None))
+_PLAIN_TYPES = frozenset(_PLAIN)
 #: `nn.Module` internals read separately (tensors, submodules, hooks) or never read by a forward
 _SKIPPED = frozenset(
     {
@@ -35,10 +39,6 @@ _SKIPPED = frozenset(
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs",
           "_forward_hooks_always_called")  # fmt: skip
 _PARTS = ("modules", "tensors", "hooks", "attributes")
-
-
-def _tensor(value: torch.Tensor | None) -> tuple | None:
-    return None if value is None else (id(value), value.data_ptr(), value.dtype, value.shape, value.device)
 
 
 def _plain(value: object, depth: int = 0) -> object:
@@ -71,7 +71,7 @@ class Fingerprint:
     Each part holds one entry per module, in the order of a depth-first walk of the models (`module_paths`)."""
 
     modules: tuple  # (module id, class, child names)
-    tensors: tuple  # ((name, tensor id, data pointer, dtype, shape, device), ...): parameters, buffers, attributes
+    tensors: tuple  # ((name, tensor id, data pointer, dtype, shape), ...): parameters, buffers, tensor attributes
     hooks: tuple  # ((kind, ((handle id, hook id), ...)), ...); the first entry holds torch's global hooks
     attributes: tuple  # ((name, plain value), ...): `training`, numbers, strings, configs' values, objects' ids
 
@@ -104,14 +104,15 @@ def _first_change(new: object, old: object) -> str:
 
 
 def _modules_in_order(models: list[torch.nn.Module]) -> list[tuple[str, torch.nn.Module]]:
-    """Every module of `models`, depth first, with its path ("[i]" is models[i]); a module held twice appears twice."""
+    """Every module of `models`, in the order `fingerprint` reads them, with its path ("[i]" is models[i])."""
     order: list[tuple[str, torch.nn.Module]] = []
-    stack = [(f"[{i}]", model) for i, model in reversed(list(enumerate(models)))]
-    while stack:
-        path, module = stack.pop()
-        order.append((path, module))
-        children = module.__dict__["_modules"]
-        stack.extend((f"{path}.{name}", child) for name, child in reversed(children.items()) if child is not None)
+    for index, model in enumerate(models):
+        stack = [(f"[{index}]", model)]
+        while stack:
+            path, module = stack.pop()
+            order.append((path, module))
+            children = module.__dict__["_modules"]
+            stack.extend((f"{path}.{name}", child) for name, child in reversed(children.items()) if child is not None)
     return order
 
 
@@ -119,43 +120,41 @@ def module_paths(models: list[torch.nn.Module]) -> list[str]:
     return [path for path, _ in _modules_in_order(models)]
 
 
-def fingerprint(models: list[torch.nn.Module]) -> Fingerprint:
-    """The fingerprint of `models` together (a module held by several, or twice, is read once)."""
+def _read(model: torch.nn.Module) -> tuple[list, list, list, list]:
+    """One model's entries of the four parts, a module per entry, depth first (a module held twice is read once)."""
     modules: list[tuple] = []
     tensors: list[tuple] = []
-    hooks: list[tuple] = [compat.global_module_hooks()]
+    hooks: list[tuple] = []
     attributes: list[tuple] = []
     seen: set[int] = set()
     configs: set[int] = set()  # configs read already (every attention layer of a model holds the model's)
-    skipped, plain = _SKIPPED, _PLAIN
-    stack = list(reversed(models))
+    skipped, plain, tensor_type = _SKIPPED, _PLAIN_TYPES, torch.Tensor
+    stack = [model]
     while stack:
         module = stack.pop()
         state = module.__dict__
         children = state["_modules"]
         modules.append((id(module), type(module), tuple(children)))
+        stack.extend(child for child in reversed(children.values()) if child is not None)
         if id(module) in seen:
             tensors.append(())
             hooks.append(())
             attributes.append(())
-            stack.extend(child for child in reversed(children.values()) if child is not None)
             continue
         seen.add(id(module))
-        own = [(k, *_tensor(v)) if v is not None else (k,) for k, v in state["_parameters"].items()]
-        own += [(k, *_tensor(v)) if v is not None else (k,) for k, v in state["_buffers"].items()]
-        module_hooks = []
-        for kind in _HOOKS:
-            table = state.get(kind)
-            if table:
-                module_hooks.append((kind, tuple((k, id(v)) for k, v in table.items())))
+        own = [(k, id(v), v.data_ptr(), v.dtype, v.shape) if v is not None else (k,)
+               for table in (state["_parameters"], state["_buffers"]) for k, v in table.items()]  # fmt: skip
+        hooks.append(
+            tuple((kind, tuple((k, id(v)) for k, v in state[kind].items())) for kind in _HOOKS if state.get(kind))
+        )
         values: list[tuple] = []
         for key, value in state.items():
             if key in skipped:
                 continue
             if type(value) in plain:
                 values.append((key, value))
-            elif isinstance(value, torch.Tensor):
-                own.append((key, *_tensor(value)))
+            elif isinstance(value, tensor_type):
+                own.append((key, id(value), value.data_ptr(), value.dtype, value.shape))
             elif isinstance(value, PretrainedConfig):
                 values.append((key, "config", id(value)))
                 if id(value) not in configs:
@@ -164,10 +163,38 @@ def fingerprint(models: list[torch.nn.Module]) -> Fingerprint:
             else:
                 values.append((key, _plain(value)))
         tensors.append(tuple(own))
-        hooks.append(tuple(module_hooks))
         attributes.append(tuple(values))
-        stack.extend(child for child in reversed(children.values()) if child is not None)
-    return Fingerprint(tuple(modules), tuple(tensors), tuple(hooks), tuple(attributes))
+    return modules, tensors, hooks, attributes
+
+
+#: id(model) -> its parts, while `read_once` is in force (one reading per model while a call is set up)
+_READINGS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("hf_specdec_model_readings", default=None)
+
+
+@contextlib.contextmanager
+def read_once() -> Iterator[None]:
+    """Within this block each model is read once: a call's setup checks the same models for several purposes (the
+    draft's acceptance statistics, compiled forwards, kept graphs), at the same moment."""
+    token = _READINGS.set({})
+    try:
+        yield
+    finally:
+        _READINGS.reset(token)
+
+
+def fingerprint(models: list[torch.nn.Module]) -> Fingerprint:
+    """The fingerprint of `models` together, with torch's global module hooks."""
+    readings = _READINGS.get()
+    parts: tuple[list, list, list, list] = ([], [], [compat.global_module_hooks()], [])
+    for model in models:
+        reading = readings.get(id(model)) if readings is not None else None
+        if reading is None:
+            reading = _read(model)
+            if readings is not None:
+                readings[id(model)] = reading
+        for part, entries in zip(parts, reading):
+            part.extend(entries)
+    return Fingerprint(*(tuple(part) for part in parts))
 
 
 class ModelGuard:

@@ -216,7 +216,11 @@ class StepGraph:
         """The call ends: keep its graphs (and the state they read) for a later call with the same signature, or
         destroy them now (the loop and its StepGraph refer to each other: left to the garbage collector, the graphs
         would be destroyed at any later time, also while another thread captures, which CUDA refuses)."""
-        changed = self.guard.changed_during_call() if self.guard is not None and self.graphs else None
+        # Graphs this call captured itself were captured from the models as they were then: keep them only if no
+        # model changed during the call (graphs it adopted and only replayed stay under the entry's fingerprint).
+        captured_here = self.entry is None or set(self.graphs) != set(self.entry.graphs)
+        checked = self.guard is not None and self.graphs and captured_here
+        changed = self.guard.changed_during_call() if checked else None
         if (
             not graph_reuse.enabled() or self.signature is None or self.model is None or not self.graphs
             or changed is not None

@@ -32,7 +32,7 @@ def _inputs(seed: int = 3) -> dict:
 
 
 def _steering(module, args, out):  # noqa: ANN001, ANN202 - a forward hook that moves a layer's output
-    shift = torch.linspace(-1.0, 1.0, out.shape[-1])
+    shift = torch.linspace(-1.0, 1.0, out.shape[-1], device=out.device)
     return out + 2.0 * shift
 
 
