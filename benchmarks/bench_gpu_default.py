@@ -111,7 +111,8 @@ def run_setting(name: str, target, draft, inputs, alpha: float, n_new: int, roun
             s = specs["ours_default"].last_stats
             stats.append(dict(acceptance=s.acceptance_rate, mean_accepted_length=s.mean_accepted_length,
                               drafting_share=s.num_drafting_row_steps / max(1, s.num_row_steps), steps=s.num_steps,
-                              replays=s.num_graph_replays, capture_s=s.compile_time_s,
+                              replays=s.num_graph_replays, capture_s=s.compile_time_s, graph_reuse=s.graph_reuse,
+                              graph_reuse_reason=s.graph_reuse_reason,
                               drafting_share_by_route={key: round(spec.last_stats.num_drafting_row_steps
                                                                   / max(1, spec.last_stats.num_row_steps), 3)
                                                        for key, spec in specs.items()}))  # fmt: skip

@@ -297,6 +297,9 @@ class AdaptiveSchedule(SpeculationSchedule):
         max_k (`int`): Most drafts a row may get (`SpecDecoder.num_speculative_tokens`).
         model (`object`): The target model: costs and statistics are kept per model (weakly), across calls.
         cost_key (`str`): Which proposer the statistics and overheads belong to (e.g. `"ngram:1-4"`, `"draft:<id>"`).
+        acceptance_key (`str`, *optional*): Which drafts the acceptance statistics belong to, when finer than
+            `cost_key` (a draft model's version: `model_guard.model_version`; a changed draft costs the same but is
+            judged anew).
         propose_first (`bool`): The proposer drafts for free (n-gram): every row proposes k drafts and the choice
             is made from them; otherwise the choice is made before drafting.
         margin (`float`, *optional*, defaults to 0.05): Speculate only when the expected rate beats plain by this
@@ -326,10 +329,11 @@ class AdaptiveSchedule(SpeculationSchedule):
         row_decay: float = 0.97,
         draft_share: float = 0.0,
         static: bool = False,
+        acceptance_key: str | None = None,
     ) -> None:
         super().__init__(max_k)
         self.memory = _MEMORY.setdefault(model, ModelMemory()) if model is not None else ModelMemory()
-        self.stats = self.memory.stats.setdefault((cost_key, max_k), AcceptanceStats(max_k))
+        self.stats = self.memory.stats.setdefault((acceptance_key or cost_key, max_k), AcceptanceStats(max_k))
         self.cost_key = cost_key
         self.costs_name = f"{cost_key}@static" if static else cost_key  # step costs are kept per path
         self.static = static

@@ -219,13 +219,15 @@ def build_schedule(
     schedule = spec.num_speculative_tokens_schedule
     if schedule == "adaptive":
         from hf_specdec.adaptive import AdaptiveSchedule
-        from hf_specdec.model_guard import model_version
+        from hf_specdec.model_guard import model_serial, model_version
 
-        key = f"ngram:{spec.prompt_lookup_min}-{spec.prompt_lookup_max}"
+        key = acceptance_key = f"ngram:{spec.prompt_lookup_min}-{spec.prompt_lookup_max}"
         if spec.draft_model is not None or spec.draft_head is not None:
-            key = f"{spec.method}:{model_version(spec.draft_model or spec.draft_head)}"
+            draft = spec.draft_model if spec.draft_model is not None else spec.draft_head
+            key = f"{spec.method}:{model_serial(draft)}"
+            acceptance_key = f"{spec.method}:{model_version(draft)}"  # a changed draft is judged anew
         elif spec.method != "ngram":
-            key = "mtp" if spec.method == "mtp" else f"exit:{spec.early_exit_layers}"
+            key = acceptance_key = "mtp" if spec.method == "mtp" else f"exit:{spec.early_exit_layers}"
         return AdaptiveSchedule(
             spec.num_speculative_tokens,
             model,
@@ -233,6 +235,7 @@ def build_schedule(
             inner.proposes_cheaply,
             draft_share=_draft_share(spec, model),
             static=static,
+            acceptance_key=acceptance_key,
         )
     if schedule.startswith("heuristic"):
 
