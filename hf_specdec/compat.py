@@ -13,6 +13,7 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
+from torch.nn.modules import module as torch_module
 from transformers import CompileConfig, DynamicCache, GenerationConfig, PreTrainedModel, StaticCache, cache_utils
 from transformers.generation import utils as generation_utils
 
@@ -79,14 +80,16 @@ def generate_output_fields(cache: object) -> dict[str, object]:
     return {next((n for n in CACHE_NAMES if n in fields), CACHE_ARGUMENT): cache}
 
 
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_forward_hooks_with_kwargs",
+                 "_global_forward_hooks_always_called")  # fmt: skip
+
+
 def global_module_hooks() -> tuple:
     """torch's global forward and forward-pre module hooks (`torch.nn.modules.module._global_forward_hooks` and
     kin, which `register_module_forward_hook` fills) as (kind, ((handle id, hook id), ...)) pairs."""
-    from torch.nn.modules import module
-
-    kinds = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_forward_hooks_with_kwargs",
-             "_global_forward_hooks_always_called")  # fmt: skip
-    return tuple((kind, tuple((k, id(v)) for k, v in getattr(module, kind, {}).items())) for kind in kinds)
+    return tuple(
+        (kind, tuple((k, id(v)) for k, v in getattr(torch_module, kind, {}).items())) for kind in _GLOBAL_HOOKS
+    )
 
 
 def compiled_call(

@@ -17,7 +17,7 @@ import contextvars
 import itertools
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -34,8 +34,12 @@ _SKIPPED = frozenset(
         "_is_full_backward_hook", "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
         "_load_state_dict_post_hooks", "_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
         "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called", "_compiled_call", "_last_compile_config",
+        "training",
     }
 )  # fmt: skip
+#: the entries `torch.nn.Module.__init__` puts first in every module's `__dict__`, in order
+_INTERNAL = tuple(vars(torch.nn.Module()))
+_NUM_INTERNAL = len(_INTERNAL)
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs",
           "_forward_hooks_always_called")  # fmt: skip
 _PARTS = ("modules", "tensors", "hooks", "attributes")
@@ -135,7 +139,8 @@ def _read(model: torch.nn.Module) -> tuple[list, list, list, list]:
         state = module.__dict__
         children = state["_modules"]
         modules.append((id(module), type(module), tuple(children)))
-        stack.extend(child for child in reversed(children.values()) if child is not None)
+        if children:
+            stack.extend(child for child in reversed(children.values()) if child is not None)
         if id(module) in seen:
             tensors.append(())
             hooks.append(())
@@ -143,12 +148,19 @@ def _read(model: torch.nn.Module) -> tuple[list, list, list, list]:
             continue
         seen.add(id(module))
         own = [(k, id(v), v.data_ptr(), v.dtype, v.shape) if v is not None else (k,)
-               for table in (state["_parameters"], state["_buffers"]) for k, v in table.items()]  # fmt: skip
-        hooks.append(
-            tuple((kind, tuple((k, id(v)) for k, v in state[kind].items())) for kind in _HOOKS if state.get(kind))
-        )
-        values: list[tuple] = []
-        for key, value in state.items():
+               for table in (state["_parameters"], state["_buffers"]) if table for k, v in table.items()]  # fmt: skip
+        if state["_forward_hooks"] or state["_forward_pre_hooks"] or state.get("_forward_hooks_always_called"):
+            hooks.append(tuple((kind, tuple((k, id(v)) for k, v in state[kind].items()))
+                               for kind in _HOOKS if state.get(kind)))  # fmt: skip
+        else:  # the with_kwargs tables only mark hooks that are in these two
+            hooks.append(())
+        values: list[tuple] = [("training", state["training"])]
+        # A module's `__dict__` starts with torch's own entries (`Module.__init__`): skip them in C when it does.
+        if tuple(itertools.islice(state, _NUM_INTERNAL)) == _INTERNAL:
+            items: Iterable = itertools.islice(state.items(), _NUM_INTERNAL, None)
+        else:
+            items = state.items()
+        for key, value in items:
             if key in skipped:
                 continue
             if type(value) in plain:
