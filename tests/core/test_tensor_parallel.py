@@ -30,12 +30,28 @@ TESTS = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 240
 
 
-def test_tensor_parallel_ranks_agree_and_equal_plain(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.requires_cuda,
+                pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs"),
+            ],
+        ),
+    ],
+)
+def test_tensor_parallel_ranks_agree_and_equal_plain(tmp_path: Path, device: str) -> None:
+    """On GPUs (NCCL) the same checks run on the captured default path: the collectives inside each rank's graphs."""
     model_dir, out_dir = tmp_path / "model", tmp_path / "out"
     out_dir.mkdir()
     make_model("llama", seed=0).save_pretrained(model_dir)
     root = Path(hf_specdec.__file__).resolve().parents[1]  # this checkout's hf_specdec, on every rank
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(root), str(TESTS)])}
+    if device == "cpu":  # transformers puts tensor parallelism on the GPUs when it sees any
+        env["CUDA_VISIBLE_DEVICES"] = ""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                str(TESTS / "tensor_parallel_worker.py"), str(model_dir), str(out_dir)]  # fmt: skip
     try:
@@ -48,5 +64,7 @@ def test_tensor_parallel_ranks_agree_and_equal_plain(tmp_path: Path) -> None:
         for check in ("plain_equals_unsharded", "draft_equals_plain", "ngram_equals_plain", "adaptive_equals_plain"):
             assert result[check] is True, f"rank {rank}: {check}"
         assert result["adaptive_drafted"] > 0, "the first rank's costs make drafting pay: every rank drafts"
+        if device == "cuda":
+            assert result["graph_replays"] > 0, "a tensor-parallel target takes the captured default path"
     assert ranks[0]["sampled"] == ranks[1]["sampled"]
     assert ranks[0]["plain"] == ranks[1]["plain"]
