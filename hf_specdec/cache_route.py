@@ -184,6 +184,9 @@ def static_plan(
             return None
         if is_hybrid(m):  # the recurrent rollback hooks the mixers and re-runs them: hybrids run eagerly
             return None
+        where = placement.placement(m)
+        if where.spread or where.offloaded:  # accelerate's hooks move tensors between devices in Python: eager
+            return None
         if plan.capture_steps:  # the loop captures whole steps: forwards compiled without graphs of their own
             return compat.compiled_call_without_graphs(m, generation_config)
         return compat.compiled_call(m, generation_config)

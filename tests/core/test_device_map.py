@@ -187,6 +187,26 @@ def test_offloaded_draft_runs_where_it_was_placed(placed, tmp_path_factory: pyte
     assert placement(draft) == where  # hf_specdec left the draft where it was
 
 
+@pytest.mark.requires_cuda
+@TWO_GPUS
+@pytest.mark.parametrize("cache_implementation", [None, "static"])
+def test_draft_on_another_gpu_than_the_target(cache_implementation: str | None) -> None:
+    """A target on cuda:0 and its draft on cuda:1: the draft is fed on cuda:1, its logits come back; the default then
+    runs uncaptured (a graph replays one device), an explicit static cache too."""
+    target = make_model("llama", seed=0, layers=4).to("cuda:0")
+    draft = make_noisy_copy(target, noise=0.05).to("cuda:1")
+    inputs = on(torch.device("cuda:0"), make_prompts(4, seed=13))
+    eos = early_eos(target, inputs)
+    expected = target.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=eos)
+    spec = hf_specdec.SpecDecoder(draft_model=draft, num_speculative_tokens=3)
+    got = spec_generate(target, inputs, spec, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=eos,
+                        cache_implementation=cache_implementation)  # fmt: skip
+    assert torch.equal(got, expected)
+    assert spec.last_stats.num_graph_replays == 0
+    assert "draft model computes on cuda:1" in capture_blocker(target, draft)
+    assert next(draft.parameters()).device == torch.device("cuda:1")  # left where it was
+
+
 @pytest.mark.parametrize("arch", ["deepseek_v3"])
 def test_mtp_on_a_placed_target(arch: str, placed, tmp_path_factory: pytest.TempPathFactory) -> None:
     """MTP layers share the target's embedding (first device) and head (last device), and sit with its last layer."""
