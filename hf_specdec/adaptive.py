@@ -36,6 +36,7 @@ import torch
 from hf_specdec.batch import RaggedBatch
 from hf_specdec.model_guard import model_serial
 from hf_specdec.proposers.base import Proposal
+from hf_specdec.ranks import RankAgreement
 from hf_specdec.schedules import SpeculationSchedule
 
 __all__ = ["AcceptanceStats", "AdaptiveSchedule", "StepCosts", "best_width", "context_bucket", "model_serial"]
@@ -313,6 +314,8 @@ class AdaptiveSchedule(SpeculationSchedule):
         static (`bool`, *optional*, defaults to False): The call runs on static caches. Its step costs are kept
             apart from the dynamic path's (a captured step on a GPU costs a third of an eager one); what drafts are
             worth is shared.
+        agreement (`RankAgreement`, *optional*): A tensor-parallel target's ranks. Costs are timed per rank, so
+            every rank takes the first rank's cost table: the same choices, hence the same forwards on every rank.
     """
 
     #: static caches: after this many plain steps in a row, one step drafts to re-measure its cost (`explore`)
@@ -330,8 +333,11 @@ class AdaptiveSchedule(SpeculationSchedule):
         draft_share: float = 0.0,
         static: bool = False,
         acceptance_key: str | None = None,
+        agreement: RankAgreement | None = None,
     ) -> None:
         super().__init__(max_k)
+        #: a tensor-parallel target's ranks: each decides from the first rank's cost table (`hf_specdec.ranks`)
+        self.agreement = agreement
         self.memory = _MEMORY.setdefault(model, ModelMemory()) if model is not None else ModelMemory()
         self.stats = self.memory.stats.setdefault((acceptance_key or cost_key, max_k), AcceptanceStats(max_k))
         self.cost_key = cost_key
@@ -472,6 +478,8 @@ class AdaptiveSchedule(SpeculationSchedule):
             return torch.zeros_like(num_drafts)
         assert self.pending is not None, "budgets() runs before each step's choice"
         table = self.pending.costs.table(self.max_k + 1, self.pending.bucket)  # [K + 1]
+        if self.agreement is not None:  # tensor parallelism: ranks' timings differ, their choices must not
+            table = self.agreement.agree(table)
         if self.static:
             table[1:] = table[-1]
         survival = self.stats.survival(keys)  # [B, K]

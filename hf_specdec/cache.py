@@ -20,7 +20,9 @@ from transformers.cache_utils import DynamicLayer
 
 from hf_specdec import compat
 from hf_specdec.compat import crop_cache, is_recurrent_layer
+from hf_specdec.devices import PerDevice, select_cache_rows
 from hf_specdec.model_support import alibi_from_mask, check_attention_implementation
+from hf_specdec.placement import input_device
 from hf_specdec.recurrent import RecurrentRollback, is_hybrid
 
 #: Compact when holes exceed this share of the cache columns (and the cache is at least this wide).
@@ -41,6 +43,9 @@ class CacheView:
             self.cache.layers = [x if is_recurrent_layer(x) else DynamicLayer() for x in self.cache.layers]
             self.recurrent = RecurrentRollback(model, self.cache)
         device = pad_lengths.device
+        #: where the model embeds its input: ids, masks and positions go there, logits come back to the batch's
+        #: device (a draft placed elsewhere than the target; accelerate's hooks do the rest for spread models)
+        self.model_device = input_device(model)
         self.pad_lengths = pad_lengths.clone()  # [B]
         self.column_index = torch.empty(batch_size, 0, dtype=torch.long, device=device)  # [B, W], -1 = hole
         self.cached_lengths = torch.zeros(batch_size, dtype=torch.long, device=device)  # [B]
@@ -107,7 +112,9 @@ class CacheView:
         call: object = None,  # the model's compiled __call__ (static caches on a GPU), or None for the model
     ) -> torch.Tensor:  # [B, w or logits_to_keep, V]
         """One forward of the model over the cache (encoder-decoder views pass their encoder states here)."""
-        return (call or self.model)(
+        home = input_ids.device
+        input_ids, mask, position_ids = self.to_model(input_ids, mask, position_ids)
+        logits = (call or self.model)(
             input_ids=input_ids,
             attention_mask=mask,
             position_ids=position_ids,
@@ -116,6 +123,21 @@ class CacheView:
             logits_to_keep=logits_to_keep,
             **self.forward_kwargs,
         ).logits
+        return logits.to(home)  # [B, w, V] on the batch's device (no copy when the model runs there)
+
+    def to_model(self, *inputs: object) -> list:
+        """`inputs` (tensors, dicts of masks, None) on the device the model embeds on; as they are when already
+        there (a model on the batch's device: no copy)."""
+        device = self.model_device
+
+        def moved(value: object) -> object:
+            if isinstance(value, torch.Tensor) and value.device != device:
+                return value.to(device)
+            if isinstance(value, dict):
+                return {name: moved(v) for name, v in value.items()}
+            return value
+
+        return [moved(value) for value in inputs]
 
     def kv_layers(self) -> list:
         """The cache layers whose columns follow `column_index` (an encoder-decoder's self-attention layers)."""
@@ -183,22 +205,20 @@ class CacheView:
         new_width = int(keep.sum(1).max().item())
         order = torch.sort(keep.to(torch.int8), dim=1, stable=True).indices[:, self.width - new_width :]  # [B, W']
         self.column_index = self.column_index.gather(1, order)
+        index = PerDevice(order[:, None, :, None])  # [B, 1, W', 1], on each layer's device
         for layer in self.kv_layers():
             if not getattr(layer, "is_initialized", False) or layer.keys is None or layer.keys.numel() == 0:
                 continue
-            index = order[:, None, :, None].to(layer.keys.device)  # [B, 1, W', 1]
-            layer.keys = layer.keys.gather(2, index.expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3]))
-            layer.values = layer.values.gather(2, index.expand(-1, layer.values.shape[1], -1, layer.values.shape[3]))
+            on = index.on(layer.keys.device)
+            layer.keys = layer.keys.gather(2, on.expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3]))
+            layer.values = layer.values.gather(2, on.expand(-1, layer.values.shape[1], -1, layer.values.shape[3]))
 
     def select_rows(self, keep: torch.Tensor) -> None:
-        """Keep only rows `keep` ([B'] indices) in the cache and the maps."""
-        if self.recurrent is None:
-            self.cache.batch_select_indices(keep)
-        else:  # transformers' recurrent layers cannot select rows: `hf_specdec.recurrent` does
-            for layer in self.cache.layers:
-                if not is_recurrent_layer(layer):
-                    layer.batch_select_indices(keep)
-            self.recurrent.select_rows(keep)
+        """Keep only rows `keep` ([B'] indices) in the cache and the maps (each layer indexed on its own device)."""
+        rows = PerDevice(keep)
+        select_cache_rows(self.cache, rows)
+        if self.recurrent is not None:  # transformers' recurrent layers cannot select rows: `hf_specdec.recurrent` does
+            self.recurrent.select_rows(rows)
         self.column_index = self.column_index[keep]
         self.cached_lengths = self.cached_lengths[keep]
         self.pad_lengths = self.pad_lengths[keep]

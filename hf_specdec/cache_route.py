@@ -4,8 +4,9 @@ The caller's `cache_implementation` decides when given: `"static"` runs on stati
 transformers would compile, `"dynamic"` on the eager dynamic path. With none (the default), a call on CUDA takes the
 static path with its whole step captured as CUDA graphs of the *eager* forwards (no inductor compile: capture costs
 seconds, not minutes) whenever its step can be captured; a `compile_config` adds compiled forwards inside the same
-captured step. Anything that cannot be captured (a CPU model, a placement over several devices, a hybrid, host work
-inside the step) keeps the dynamic path, and the reason is said once per process. On the CPU nothing changes.
+captured step. Anything that cannot be captured (a CPU model, a placement over several devices or with offloaded
+weights: `placement.capture_blocker`, a hybrid, host work inside the step) keeps the dynamic path, and the reason is
+said once per process. On the CPU nothing changes. A tensor-parallel target (one device per rank) is captured.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 
-from hf_specdec import compat, step_graph
+from hf_specdec import compat, placement, step_graph
 from hf_specdec.model_guard import fingerprint
 from hf_specdec.recurrent import is_hybrid
 from hf_specdec.static_cache import StaticPlan
@@ -68,11 +69,12 @@ def default_blocker(model: PreTrainedModel, spec: Any, generation_config: Genera
 
     if os.environ.get(DEFAULT_STATIC_ENV, "1") == "0":
         return f"{DEFAULT_STATIC_ENV}=0"
-    if model.device.type != "cuda":
-        return None if model.device.type == "cpu" else f"the model is on {model.device.type}, not CUDA"
-    devices = set(getattr(model, "hf_device_map", {}).values())
-    if len(devices) > 1:
-        return f"the model is placed on several devices ({sorted(map(str, devices))})"
+    device = placement.input_device(model)  # not `model.device`: `meta` when accelerate offloads the first weights
+    if device.type != "cuda":
+        return None if device.type == "cpu" else f"the model is on {device.type}, not CUDA"
+    blocker = placement.capture_blocker(model, spec.draft_model if spec.method == "draft" else None)
+    if blocker is not None:  # several devices, offloaded weights, a draft on another device than the target
+        return blocker
     if model.config.is_encoder_decoder:
         return "encoder-decoder targets run on the dynamic cache"
     if spec.draft_tokenizer is not None:
@@ -104,7 +106,7 @@ def choose_route(
     asked = generation_config.cache_implementation
     if asked == "static":
         return CacheRoute(static=True, compile=True, by_default=False)
-    if asked is not None or model.device.type == "cpu":  # "dynamic", or the CPU: unchanged
+    if asked is not None or placement.input_device(model).type == "cpu":  # "dynamic", or the CPU: unchanged
         return CacheRoute(static=False, compile=False, by_default=False)
     blocker = default_blocker(model, spec, generation_config, cache)
     if blocker is not None:
@@ -183,6 +185,9 @@ def static_plan(
             return None
         if is_hybrid(m):  # the recurrent rollback hooks the mixers and re-runs them: hybrids run eagerly
             return None
+        where = placement.placement(m)
+        if where.spread or where.offloaded:  # accelerate's hooks move tensors between devices in Python: eager
+            return None
         guard = fingerprint([m])  # a forward hook or a replaced weight since the last compile: compile anew
         if plan.capture_steps:  # the loop captures whole steps: forwards compiled without graphs of their own
             return compat.compiled_call_without_graphs(m, generation_config, guard)
@@ -192,7 +197,8 @@ def static_plan(
     plan.hybrid = any(m is not None and is_hybrid(m) for m in (model, spec.draft_model))
     plan.can_capture = (
         not plan.hybrid
-        and model.device.type == step_graph.GRAPHS.device_type
+        and placement.input_device(model).type == step_graph.GRAPHS.device_type
+        and placement.capture_blocker(model, spec.draft_model if spec.method == "draft" else None) is None
         and os.environ.get(CAPTURE_ENV, "1") != "0"
     )
     return plan

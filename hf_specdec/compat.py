@@ -254,3 +254,21 @@ def gemma4_assistant_step(
     else:
         logits = assistant.lm_head(hidden)
     return logits, assistant.post_projection(hidden)
+
+
+def tensor_parallel_size(model: torch.nn.Module) -> int:
+    """Ranks the model's weights are split over by transformers' tensor parallelism (`tp_plan`): its private
+    `_tp_size` (transformers 5.17-5.24); 1 for a model loaded without it."""
+    return int(getattr(model, "_tp_size", None) or 1)
+
+
+def tensor_parallel_group(model: torch.nn.Module) -> Any:
+    """The `torch.distributed` process group of the model's tensor-parallel ranks (the "tp" dimension of its private
+    `_device_mesh`: 1-D on transformers 5.17, ("pp", "fsdp", "tp") on 5.24), or None without tensor parallelism."""
+    mesh = getattr(model, "_device_mesh", None)
+    if mesh is None or tensor_parallel_size(model) <= 1:
+        return None
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    if mesh.ndim > 1 and "tp" in names:
+        mesh = mesh["tp"]
+    return mesh.get_group()

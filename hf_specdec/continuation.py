@@ -19,6 +19,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from hf_specdec.cache import CacheView
 from hf_specdec.compat import DUMMY_LAYER
+from hf_specdec.devices import PerDevice
 
 if TYPE_CHECKING:
     from hf_specdec.config import SpecDecoder
@@ -102,24 +103,26 @@ class CacheHandoff:
         view.cached_lengths = torch.full_like(view.cached_lengths, past)
 
     def stash(self, view: CacheView, rows: torch.Tensor, row_ids: torch.Tensor) -> None:
-        """Keep the cache rows `rows` ([b] indices into the live batch) of rows about to leave the batch."""
-        layers = [(layer.keys[rows], layer.values[rows]) for layer in view.cache.layers if layer.is_initialized]
+        """Keep the cache rows `rows` ([b] indices into the live batch) of rows about to leave the batch (each layer's
+        on its own device)."""
+        leaving = PerDevice(rows)
+        layers = [(leaving.rows(lay.keys), leaving.rows(lay.values)) for lay in view.cache.layers if lay.is_initialized]
         self.stashes.append(_Stash(row_ids.clone(), view.column_index[rows], view.cached_lengths[rows], layers))
 
     def hand_back(self, model: PreTrainedModel, sequences: torch.Tensor) -> DynamicCache:  # sequences [B_total, F]
         """Write into the caller's cache what plain decoding's cache holds after producing `sequences`; return it."""
         width = sequences.shape[1] - 1  # plain decoding never feeds the last token
-        order = torch.cat([s.row_ids for s in self.stashes]).argsort()
-        column_index = _cat_padded([s.column_index for s in self.stashes], -1)[order]  # [B, W]
-        cached = torch.cat([s.cached_lengths for s in self.stashes])[order].clamp(max=width)  # [B]
+        order = PerDevice(torch.cat([s.row_ids for s in self.stashes]).argsort())  # each layer's on its device
+        column_index = order.rows(_cat_padded([s.column_index for s in self.stashes], -1))  # [B, W]
+        cached = order.rows(torch.cat([s.cached_lengths for s in self.stashes])).clamp(max=width)  # [B]
         layers = [
             (
-                _cat_padded([s.layers[i][0] for s in self.stashes], 0)[order],
-                _cat_padded([s.layers[i][1] for s in self.stashes], 0)[order],
+                order.rows(_cat_padded([s.layers[i][0] for s in self.stashes], 0)),
+                order.rows(_cat_padded([s.layers[i][1] for s in self.stashes], 0)),
             )
             for i in range(len(self.stashes[0].layers))
         ]
-        column_index = torch.where(column_index < cached[:, None], column_index, -1)
+        column_index = PerDevice(torch.where(column_index < cached[:, None], column_index, -1))
         aligned = [(_align(k, column_index, width), _align(v, column_index, width)) for k, v in layers]
         if bool((cached < width).any()):  # rows that finished early: feed their EOS and padding, as plain decoding does
             aligned = _feed_rest(model, sequences, self.pad_lengths, cached, aligned, width)
@@ -141,11 +144,12 @@ def _cat_padded(tensors: list[torch.Tensor], fill: float) -> torch.Tensor:
 
 def _align(
     states: torch.Tensor,  # [B, H, W, D] cache columns in any order, with holes
-    column_index: torch.Tensor,  # [B, W] buffer index held by each column, -1 = hole
+    column_index: PerDevice,  # [B, W] buffer index held by each column, -1 = hole
     width: int,
 ) -> torch.Tensor:  # [B, H, width, D]: column j holds buffer index j (zeros where nothing is cached)
     batch, heads, _, dim = states.shape
-    target = torch.where(column_index >= 0, column_index, width)  # holes go to a dump column
+    columns = column_index.on(states.device)  # the layer's device
+    target = torch.where(columns >= 0, columns, width)  # holes go to a dump column
     out = states.new_zeros(batch, heads, width + 1, dim)
     index = target[:, None, :, None].expand(-1, heads, -1, dim)
     return out.scatter(2, index, states)[:, :, :width]
@@ -169,9 +173,9 @@ def _feed_rest(
     view.cached_lengths = cached.clone()
     view.aligned = view.aligned and bool((cached == have).all())
     view.forward(sequences, width - cached, logits_to_keep=1)
+    column_index = PerDevice(view.column_index)
     return [
-        (_align(lay.keys, view.column_index, width), _align(lay.values, view.column_index, width))
-        for lay in view.cache.layers
+        (_align(lay.keys, column_index, width), _align(lay.values, column_index, width)) for lay in view.cache.layers
     ]
 
 

@@ -34,6 +34,7 @@ from hf_specdec.exact import ExactPath, needs_exact_path
 from hf_specdec.model_support import check_supported_cache
 from hf_specdec.proposers.base import Proposer
 from hf_specdec.proposers.top1 import Top1Proposer
+from hf_specdec.ranks import rank_agreement
 from hf_specdec.recurrent import check_recurrent_call, is_hybrid
 from hf_specdec.sampling import random as row_random
 from hf_specdec.sampling.processors import StepSampling
@@ -120,7 +121,11 @@ class CallPlan:
             else build_handoff(model, spec, input_ids, config, cache)
         )
         batch = RaggedBatch.from_prompts(input_ids, decoder_mask, config.max_length + spec.max_speculative_tokens + 1)
-        seeds = row_seeds(spec.seed, batch.batch_size).to(batch.device)
+        seeds = row_seeds(spec.seed, batch.batch_size)
+        agreement = rank_agreement(model)
+        if agreement is not None and spec.seed is None:  # drawn from each rank's own generator: take the first's
+            seeds = agreement.agree(seeds)
+        seeds = seeds.to(batch.device)
         sampling = StepSampling(processors=logits_processor, do_sample=bool(config.do_sample), seeds=seeds)
         pad = config._pad_token_tensor
         stop_rules = StopRules(
@@ -236,6 +241,7 @@ def build_schedule(
             draft_share=_draft_share(spec, model),
             static=static,
             acceptance_key=acceptance_key,
+            agreement=rank_agreement(model),
         )
     if schedule.startswith("heuristic"):
 

@@ -23,6 +23,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from hf_specdec import compat
+from hf_specdec.devices import PerDevice
 from hf_specdec.model_support import model_layer_types
 
 #: The cache layer type of recurrent layers (transformers' `LinearAttentionLayer`).
@@ -255,9 +256,11 @@ class RecurrentRollback:
             self.replayed_rows += int(rows.numel())
             keep = valid[rows] & (rank[rows] < count)  # [b, W]: exactly `count` slots per row
             slots = keep.nonzero()[:, 1].view(rows.numel(), count)  # [b, count]
+            kept_mask = PerDevice(mask[rows[:, None], slots])  # [b, c]
+            rows_on, slots_on = PerDevice(rows), PerDevice(slots)  # each mixer's layer may sit on its own device
             for index, mixer in self.mixers.items():
                 hidden = torch.cat([f.inputs[index] for f in fed], dim=1)  # [B, W, H]
-                self._replay(index, mixer, fed[-1].kwargs[index], snapshot[index], rows, hidden, mask, slots)
+                self._replay(index, mixer, fed[-1].kwargs[index], snapshot[index], rows_on, hidden, kept_mask, slots_on)
 
     def _replay(
         self,
@@ -265,13 +268,14 @@ class RecurrentRollback:
         mixer: nn.Module,
         kwargs: dict[str, Any],
         snapshot: list[tuple[torch.Tensor | None, torch.Tensor | None, bool]],
-        rows: torch.Tensor,  # [b]
+        rows_on: PerDevice,  # [b]
         hidden: torch.Tensor,  # [B, W, H]
-        mask: torch.Tensor,  # [B, W]
-        slots: torch.Tensor,  # [b, c]
+        kept_mask: PerDevice,  # [b, c] the padding mask of the kept slots
+        slots_on: PerDevice,  # [b, c]
     ) -> None:
         """Restore rows `rows` of layer `index` to the snapshot, then re-run its mixer over their kept slots."""
         layer = self.cache.layers[index]
+        rows, slots = rows_on.on(hidden.device), slots_on.on(hidden.device)  # the layer's states and inputs are there
         current = self._layer_states(index, clone=False)  # the full [B, ...] tensors the forward left
         for s, ((conv, recurrent, had_state), (full_conv, full_recurrent, _)) in enumerate(zip(snapshot, current)):
             if full_conv is not None:
@@ -282,9 +286,8 @@ class RecurrentRollback:
             layer.has_previous_state[s] = had_state
         count = slots.shape[1]
         if count:
-            kept_mask = mask[rows[:, None], slots]  # [b, c]
             call = dict(kwargs)
-            call["attention_mask"] = kept_mask  # all ones where nothing is padded: the same states
+            call["attention_mask"] = kept_mask.on(hidden.device)  # all ones where nothing is padded: the same states
             with torch.no_grad():  # the mixer updates the b-row states in place
                 mixer(hidden[rows[:, None], slots], **call)  # [b, c, H]
         for s, (full_conv, full_recurrent, _) in enumerate(current):
@@ -321,9 +324,11 @@ class RecurrentRollback:
             return False  # a kept slot is padding: the chunked re-run applies the mask
         self.replayed_rows += int(rows.numel())
         steps = [(counts[rows] > j).nonzero().squeeze(1) for j in range(most)]  # [a_j] rows that take step j
+        on_devices = [PerDevice(t) for t in (rows, slots, *steps)]  # each mixer's layer may sit on its own device
         for index, mixer in self.mixers.items():
             layer = self.cache.layers[index]
             hidden = torch.cat([f.inputs[index] for f in fed], dim=1)  # [B, W, H]
+            rows, slots, *steps = (t.on(hidden.device) for t in on_devices)  # where its states and inputs are
             current = self._layer_states(index, clone=False)  # the full [B, ...] tensors the forward left
             work = [
                 (c[rows] if c is not None else None, r[rows] if r is not None else None) for c, r, _ in snapshot[index]
@@ -353,27 +358,29 @@ class RecurrentRollback:
                 layer.has_previous_state[s] = True
         return True
 
-    def select_rows(self, keep: torch.Tensor) -> None:  # [B'] indices
-        """Keep only rows `keep` of every recurrent layer's states (and of a pending snapshot)."""
+    def select_rows(self, keep: torch.Tensor | PerDevice) -> None:  # [B'] indices
+        """Keep only rows `keep` of every recurrent layer's states (and of a pending snapshot), each on its device."""
+        keep = keep if isinstance(keep, PerDevice) else PerDevice(keep)
         for index in self.mixers:
             layer = self.cache.layers[index]
             for s in range(layer.number_of_states):
                 if layer.is_conv_states_initialized[s]:
-                    layer.conv_states[s] = layer.conv_states[s][keep]
+                    layer.conv_states[s] = keep.rows(layer.conv_states[s])
                 if layer.is_recurrent_states_initialized[s]:
-                    layer.recurrent_states[s] = layer.recurrent_states[s][keep]
+                    layer.recurrent_states[s] = keep.rows(layer.recurrent_states[s])
         if self.base_lengths is not None:
-            self.base_lengths = self.base_lengths[keep]
+            self.base_lengths = keep.rows(self.base_lengths)
         if self.snapshot is not None:
             self.snapshot = {
                 index: [
-                    (c[keep] if c is not None else None, r[keep] if r is not None else None, h) for c, r, h in states
+                    (keep.rows(c) if c is not None else None, keep.rows(r) if r is not None else None, h)
+                    for c, r, h in states
                 ]
                 for index, states in self.snapshot.items()
             }
         for f in self.fed:
-            f.valid, f.mask = f.valid[keep], f.mask[keep] if f.mask is not None else None
-            f.inputs = {index: hidden[keep] for index, hidden in f.inputs.items()}
+            f.valid, f.mask = keep.rows(f.valid), keep.rows(f.mask) if f.mask is not None else None
+            f.inputs = {index: keep.rows(hidden) for index, hidden in f.inputs.items()}
 
 
 def _cache_of(kwargs: dict[str, Any]) -> Any:

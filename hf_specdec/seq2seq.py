@@ -22,6 +22,7 @@ from transformers import DynamicCache, EncoderDecoderCache, PreTrainedModel
 
 from hf_specdec import compat
 from hf_specdec.cache import CacheView
+from hf_specdec.devices import PerDevice
 
 
 @dataclass
@@ -31,8 +32,9 @@ class EncoderState:
     hidden: torch.Tensor  # [B, S, H] the encoder's last hidden state
     mask: torch.Tensor | None  # [B, S] the encoder's attention mask, or None
 
-    def select_rows(self, keep: torch.Tensor) -> EncoderState:
-        return EncoderState(self.hidden[keep], self.mask[keep] if self.mask is not None else None)
+    def select_rows(self, keep: torch.Tensor | PerDevice) -> EncoderState:
+        keep = keep if isinstance(keep, PerDevice) else PerDevice(keep)  # the encoder's output may sit elsewhere
+        return EncoderState(keep.rows(self.hidden), keep.rows(self.mask) if self.mask is not None else None)
 
 
 def encoder_state(model_kwargs: dict[str, Any]) -> EncoderState:
@@ -82,7 +84,8 @@ class RowPositions:
         self.fired = False
 
     def __call__(self, module, args, kwargs, output):  # noqa: ANN001, ANN204
-        rows = [module.forward(*args, **{**kwargs, "position_ids": ids}) for ids in self.position_ids]
+        position_ids = self.position_ids.to(output.device)  # where the table ran (a decoder spread over devices)
+        rows = [module.forward(*args, **{**kwargs, "position_ids": ids}) for ids in position_ids]
         width, hidden = self.position_ids.shape[1], rows[0].shape[-1]
         self.fired = True
         return torch.stack([r.reshape(width, hidden) for r in rows])  # [B, w, H]
@@ -156,6 +159,8 @@ class Seq2SeqCacheView(CacheView):
         return self._run(input_ids, mask, position_ids, logits_to_keep)
 
     def _run(self, input_ids, mask, position_ids, logits_to_keep):  # noqa: ANN001, ANN202
+        home = input_ids.device
+        input_ids, mask, position_ids = self.to_model(input_ids, mask, position_ids)
         positions = {}
         if self.model.config.is_encoder_decoder:
             if self.position_ids:
@@ -180,7 +185,7 @@ class Seq2SeqCacheView(CacheView):
                 use_cache=True,
                 **positions,
             )
-        logits = outputs.logits  # [B, w, V]
+        logits = outputs.logits.to(home)  # [B, w, V] on the batch's device
         return logits[:, -logits_to_keep:] if logits_to_keep else logits
 
     def kv_layers(self) -> list:

@@ -25,6 +25,7 @@ from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 
 from hf_specdec import compat, grouped_attention
 from hf_specdec.cache import CacheView
+from hf_specdec.devices import PerDevice
 from hf_specdec.recurrent import RecurrentRollback
 
 
@@ -149,10 +150,15 @@ class StaticCacheView(CacheView):
         write = self.offset + torch.arange(index.shape[1], device=index.device)  # [w] the columns written
         self.column_index.index_copy_(1, write, torch.where(real, index, -1))
         mask = self._attention_mask(torch.where(valid, index, -1), self.column_index, write)
-        # The write offset of every layer: one fused device copy (no host sync, one launch for all layers).
-        counters = [layer.cumulative_length for layer in self.cache.layers if _holds_keys(layer)]
-        if counters:
-            torch._foreach_copy_(counters, [self.offset] * len(counters))
+        # The write offset of every layer: one fused device copy per device the layers sit on (no host sync; one
+        # launch for all layers of a model on one device).
+        counters: dict[torch.device, list[torch.Tensor]] = {}
+        for layer in self.cache.layers:
+            if _holds_keys(layer):
+                counters.setdefault(layer.cumulative_length.device, []).append(layer.cumulative_length)
+        offset = PerDevice(self.offset)
+        for device, on_device in counters.items():
+            torch._foreach_copy_(on_device, [offset.on(device)] * len(on_device))
         return mask
 
     def advance(self, width: int) -> None:
@@ -178,12 +184,13 @@ class StaticCacheView(CacheView):
         keep = self.column_index >= 0  # [B, L]
         order = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices  # [B, L] real columns first
         self.column_index.copy_(self.column_index.gather(1, order))
+        order_on = PerDevice(order[:, None, :, None])  # [B, 1, L, 1] on each layer's device
         for layer in self.cache.layers:
             if not _holds_keys(layer):
                 continue
             for states in (layer.keys, layer.values):
-                index = order[:, None, :, None].expand(-1, states.shape[1], -1, states.shape[3])
-                states.copy_(states.gather(2, index.to(states.device)))
+                index = order_on.on(states.device).expand(-1, states.shape[1], -1, states.shape[3])
+                states.copy_(states.gather(2, index))
         self.offset_bound = int(keep.sum(1).max().item())
         self.offset = torch.full_like(self.offset, self.offset_bound)
         self.plan.num_compactions += 1

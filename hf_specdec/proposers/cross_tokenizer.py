@@ -20,6 +20,7 @@ from transformers import PreTrainedModel
 
 from hf_specdec.batch import RaggedBatch
 from hf_specdec.cache import CacheView
+from hf_specdec.placement import input_device
 from hf_specdec.proposers import ProposerContext, register
 from hf_specdec.proposers.base import Proposal, Proposer
 from hf_specdec.proposers.draft_model import draft_position_limit, output_vocab_size, sampling_exponentials
@@ -72,12 +73,9 @@ class CrossTokenizerProposer(Proposer):
         self.draft_lengths = torch.zeros(0, dtype=torch.long)  # [B] valid ids per row
 
     def attach(self, target: PreTrainedModel) -> None:
-        if self.draft_model.device != target.device:
-            raise ValueError(
-                f"The draft model is on {self.draft_model.device} but the target is on {target.device}: move it "
-                f"first with draft_model.to({str(target.device)!r})."
-            )
-        self._map_vocabularies(output_vocab_size(target), target.device)
+        # The maps index the batch's tokens, which are on the target's input device (the draft may run elsewhere:
+        # its CacheView moves what it feeds it). `prefill` moves them if the batch is elsewhere.
+        self._map_vocabularies(output_vocab_size(target), input_device(target))
 
     def _map_vocabularies(self, target_vocab: int, device: torch.device) -> None:
         """Tokens with the same string in both vocabularies: draft ids [M], target ids [M], target -> draft [V]."""
@@ -97,6 +95,9 @@ class CrossTokenizerProposer(Proposer):
 
     def prefill(self, batch: RaggedBatch, sampling: StepSampling) -> None:
         device = batch.device
+        if self.mapped_draft.device != device:
+            self.mapped_draft, self.mapped_target = self.mapped_draft.to(device), self.mapped_target.to(device)
+            self.target_to_draft = self.target_to_draft.to(device)
         self.view = CacheView(
             self.draft_model, batch.batch_size, torch.zeros(batch.batch_size, dtype=torch.long, device=device)
         )

@@ -22,6 +22,7 @@ from hf_specdec.batch import RaggedBatch
 from hf_specdec.cache import CacheView
 from hf_specdec.compat import crop_cache
 from hf_specdec.model_support import check_attention_implementation
+from hf_specdec.placement import input_device, module_device
 from hf_specdec.proposers import ProposerContext, register
 from hf_specdec.proposers.base import Proposal
 from hf_specdec.proposers.mtp import _draw
@@ -119,7 +120,10 @@ class DFlashProposer(TargetStateDrafter):
         self.num_target_layers = target.config.get_text_config().num_hidden_layers
         last = self.num_target_layers - 1  # transformers' hidden_states[-1] is the decoder's normed output
         inner = [i for i in self.layer_ids if i != last]
-        self.capture = VerifyCapture(target, layer_ids=inner, keep_last_hidden=last in self.layer_ids)
+        # the layers' states where the batch is (a target spread over devices computes them on several)
+        self.capture = VerifyCapture(
+            target, layer_ids=inner, keep_last_hidden=last in self.layer_ids, device=input_device(target)
+        )
         self.view: DFlashContextView | None = None
         self.context_lengths: torch.Tensor | None = None  # [B] buffer indices [0, n) have entered the context
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # context not yet fed: [B, c, nH], [B, c]
@@ -148,10 +152,11 @@ class DFlashProposer(TargetStateDrafter):
         mask_id = int(self.drafter.config.mask_token_id)
         block_ids = torch.full((batch.batch_size, self.block_size), mask_id, dtype=torch.long, device=batch.device)
         block_ids[:, 0] = batch.last_token_ids()
-        embeds = _plain_embeddings(self.target, block_ids).to(self.drafter.dtype)  # [B, s, H]
+        embeds = _plain_embeddings(self.target, block_ids).to(batch.device, self.drafter.dtype)  # [B, s, H]
         hidden = self.view.feed(context.to(self.drafter.dtype), index, embeds, anchor)  # [B, s, H]
-        head = self.target.get_output_embeddings()
-        logits = head(hidden[:, 1 : k + 1].to(head.weight.dtype)).float()  # [B, k, V]
+        head = self.target.get_output_embeddings()  # the target's head: its last device, if spread
+        logits = head(hidden[:, 1 : k + 1].to(module_device(head), head.weight.dtype))
+        logits = logits.to(batch.device, torch.float32)  # [B, k, V]
         rows = torch.arange(batch.batch_size, device=batch.device)
         draft_ids = torch.full((batch.batch_size, k), -1, dtype=torch.long, device=batch.device)  # [B, k]
         draft_probs: list[torch.Tensor] = []
@@ -231,6 +236,7 @@ def _plain_embeddings(target: PreTrainedModel, token_ids: torch.Tensor) -> torch
     """The target's input embeddings of `token_ids`, without an `embed_norm` its embedding may apply (as HF's DFlash
     generator: the drafter was trained on the table's rows)."""
     table = target.get_input_embeddings()
+    token_ids = token_ids.to(module_device(table))  # where the table computes (offloaded: not its weight's `meta`)
     norm = getattr(table, "embed_norm", None)
     if norm is None:
         return table(token_ids)

@@ -7,6 +7,8 @@ calls take the draft's argmax (one-hot drafts); sampling calls sample from the d
 distribution q and return q, as exact speculative sampling needs. With a `ConfidenceThreshold` (HF's
 `assistant_confidence_threshold`) a row stops drafting after a low-probability draft. `max_positions` is the
 draft's position limit: its prefill skips rows already past it, and `Top1Proposer` keeps drafts below it.
+The draft runs where its owner placed it (on the target's first device, another GPU, or spread by its own
+`device_map`): its `CacheView` feeds it token ids on its own device and brings its logits back to the batch's.
 """
 
 from __future__ import annotations
@@ -53,11 +55,6 @@ def check_draft_model(target: PreTrainedModel, draft: PreTrainedModel) -> None:
         raise ValueError(
             f"The draft's vocabulary ({draft_vocab} logits) differs from the target's ({target_vocab}): the draft must "
             "share the target's tokenizer (e.g. a smaller model of the same family), or use method='ngram'."
-        )
-    if draft.device != target.device:
-        raise ValueError(
-            f"The draft model is on {draft.device} but the target is on {target.device}: move it first with "
-            f"draft_model.to({str(target.device)!r})."
         )
 
 

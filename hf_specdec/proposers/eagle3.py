@@ -18,6 +18,7 @@ from transformers import PreTrainedModel
 
 from hf_specdec.batch import RaggedBatch
 from hf_specdec.cache import CacheView
+from hf_specdec.placement import input_device, module_device
 from hf_specdec.proposers import ProposerContext, register
 from hf_specdec.proposers.base import Proposal, widest
 from hf_specdec.proposers.eagle3_head import Eagle3Head, is_eagle3_head
@@ -67,7 +68,10 @@ class Eagle3Proposer(TargetStateDrafter):
         self.head = head
         self.num_speculative_tokens = num_speculative_tokens
         # The input of decoder layer i is the output of layer i - 1.
-        self.capture = VerifyCapture(target, layer_ids=[i - 1 for i in self.layer_ids], keep_last_hidden=False)
+        # the layers' states on the head's device (a target spread over devices computes them on several)
+        self.capture = VerifyCapture(
+            target, layer_ids=[i - 1 for i in self.layer_ids], keep_last_hidden=False, device=head.device
+        )
         self.embeddings = head.embed_tokens if head.embed_tokens is not None else target.get_input_embeddings()
         self.vocab_size = int(target.get_output_embeddings().weight.shape[0])
         self.target_ids = head.draft_to_target()  # [Vd]
@@ -120,7 +124,9 @@ class Eagle3Proposer(TargetStateDrafter):
         return Proposal(draft_token_ids=draft_ids, num_draft_tokens=max_draft_tokens.clamp(max=k), draft_probs=probs)
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:  # [B, s, H] in the head's dtype
-        return self.embeddings(tokens.to(self.embeddings.weight.device)).to(self.head.dtype)
+        # where the embedding computes (its weight may be on `meta`: offloaded, loaded by accelerate's hook)
+        embeds = self.embeddings(tokens.to(module_device(self.embeddings)))
+        return embeds.to(self.head.device, self.head.dtype)
 
     def _target_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:  # [B, V] float32
         """Draft-vocabulary logits [B, Vd] placed at their target ids; every other token gets -inf (q = 0)."""
@@ -202,10 +208,10 @@ def check_eagle3_target(target: PreTrainedModel, head: object) -> list[int]:
             f"(usable ids 1..{layers}; bad: {bad}): load the head trained for this target, or fix "
             "eagle_aux_hidden_state_layer_ids in its config.json."
         )
-    if head.device != target.device:
+    if head.device != input_device(target):
         raise ValueError(
-            f"The EAGLE-3 head is on {head.device} but {name} is on {target.device}: move it with "
-            "head.to(model.device), or pass device= to load_draft_head."
+            f"The EAGLE-3 head is on {head.device} but {name} takes its input on {input_device(target)}: move it "
+            "with head.to(model.device), or pass device= to load_draft_head."
         )
     return ids
 

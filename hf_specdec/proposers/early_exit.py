@@ -21,6 +21,7 @@ from transformers import DynamicCache, PreTrainedModel
 from hf_specdec import compat
 from hf_specdec.batch import RaggedBatch
 from hf_specdec.cache import CacheView
+from hf_specdec.placement import input_device
 from hf_specdec.proposers import ProposerContext, register
 from hf_specdec.proposers.draft_model import DraftModelProposer, confidence_threshold
 
@@ -45,7 +46,7 @@ def check_early_exit(model: PreTrainedModel, num_layers: int) -> None:
     probe = DynamicCache()
     with torch.no_grad(), truncated(model, num_layers):
         model(
-            input_ids=torch.zeros(1, 1, dtype=torch.long, device=model.device),
+            input_ids=torch.zeros(1, 1, dtype=torch.long, device=input_device(model)),  # not `meta` when offloaded
             use_cache=True,
             **compat.cache_kwargs(model, probe),
         )

@@ -19,6 +19,7 @@ from transformers import PreTrainedModel
 from hf_specdec import compat
 from hf_specdec.batch import RaggedBatch
 from hf_specdec.model_support import check_attention_implementation
+from hf_specdec.placement import module_device, placement
 from hf_specdec.proposers import ProposerContext, register
 from hf_specdec.proposers.base import Proposal, widest
 from hf_specdec.proposers.mtp import _draw
@@ -50,6 +51,14 @@ def kv_source_layers(target: PreTrainedModel) -> dict[str, int]:
 
 def check_gemma4_assistant(target: PreTrainedModel, assistant: PreTrainedModel) -> dict[str, int]:
     """Raise a clear error unless `assistant` can draft for `target`; return `kv_source_layers(target)`."""
+    where = placement(target)
+    if where.spread:
+        raise NotImplementedError(
+            f"A Gemma 4 assistant attends to the target's own keys and values in place, but this target computes on "
+            f"several devices ({where.describe()}), which hf_specdec does not support for assistants yet: load the "
+            "target on one GPU (offloading weights to the CPU or the disk works), or use method='draft' or prompt "
+            "lookup."
+        )
     if not is_gemma4_assistant(assistant):
         raise TypeError(
             "SpecDecoder(method='gemma4_assistant') needs a Gemma4AssistantForCausalLM or "
@@ -147,7 +156,8 @@ class Gemma4AssistantProposer(TargetStateDrafter):
         draft_ids = torch.full((batch.batch_size, k), -1, dtype=torch.long, device=batch.device)  # [B, k]
         draft_probs: list[torch.Tensor] = []
         for j in range(k):
-            inputs = torch.cat([embed(token[:, None]).to(hidden.dtype), hidden], dim=-1)  # [B, 1, 2H]
+            embedded = embed(token[:, None].to(module_device(embed))).to(hidden.device, hidden.dtype)  # [B, 1, H]
+            inputs = torch.cat([embedded, hidden], dim=-1)  # [B, 1, 2H]
             logits, hidden = compat.gemma4_assistant_step(self.assistant, inputs, position_ids, masks, self.shared_kv)
             drafting = max_draft_tokens > j  # [B]
             token, probs = _draw(sampling, batch, anchor + j, drafting, logits[:, 0].float(), j)  # [B], [B, V]

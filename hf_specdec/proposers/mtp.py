@@ -22,6 +22,7 @@ from transformers import PreTrainedModel
 from hf_specdec import compat
 from hf_specdec.batch import RaggedBatch
 from hf_specdec.cache import CacheView
+from hf_specdec.placement import module_device
 from hf_specdec.proposers import ProposerContext, register
 from hf_specdec.proposers.base import Proposal, Proposer, widest
 from hf_specdec.proposers.draft_model import sampling_exponentials
@@ -62,7 +63,7 @@ def resolve_mtp_model(target: PreTrainedModel, mtp_model: Any = None) -> PreTrai
     if mtp_model is None:
         mtp_model = _LOADED_MTP_MODELS.get(target)
     if mtp_model is None:
-        device = next(target.get_decoder().layers[-1].parameters()).device
+        device = module_device(target.get_decoder().layers[-1])  # not its weights' device: `meta` when offloaded
         try:
             mtp_model = MtpModel.from_pretrained(target, device_map={"": device})
         except Exception as error:  # noqa: BLE001 - re-raised with what to do
@@ -93,6 +94,9 @@ class _MtpLayerFeed:
     model: PreTrainedModel
     layer_idx: int
     layer_type: str | None
+    layer_device: torch.device  # where MTP layer `layer_idx` computes
+    embed_device: torch.device  # where the shared input embedding computes (the target's first device)
+    rope_device: torch.device  # where the shared RoPE computes
 
     def feed(
         self,
@@ -113,12 +117,23 @@ class _MtpLayerFeed:
         mask = self._claim_columns(index, valid, real)
         if isinstance(mask, dict):
             mask = mask[self.layer_type]
-        embeds = mtp.embed_tokens(input_ids).to(previous_hidden.dtype)  # [B, w, H]
+        # A target spread over devices shares its embedding (first device) and head (last) with the MTP layers
+        # (placed with its last layer): each part gets its inputs on its own device.
+        layer_device = self.layer_device
+        embeds = mtp.embed_tokens(input_ids.to(self.embed_device))  # [B, w, H]
+        embeds = embeds.to(layer_device, previous_hidden.dtype)
+        previous_hidden, mask, position_ids = (
+            previous_hidden.to(layer_device),
+            mask.to(layer_device) if mask is not None else None,
+            position_ids.to(layer_device),
+        )
         rope = None
         if mtp.rotary_emb is not None:
             # transformers >= 5.23 marks per-layer RoPE parameters; 5.17 has none (no layer_type argument)
             rope_kwargs = {"layer_type": self.layer_type} if getattr(mtp, "has_per_layer_rope", False) else {}
-            rope = mtp.rotary_emb(embeds, position_ids=position_ids, **rope_kwargs)
+            rope = mtp.rotary_emb(embeds, position_ids=position_ids.to(self.rope_device), **rope_kwargs)
+            if isinstance(rope, (tuple, list)):  # (cos, sin)
+                rope = tuple(r.to(layer_device) if isinstance(r, torch.Tensor) else r for r in rope)
         hidden = mtp.layers[self.layer_idx](
             embeds,
             previous_hidden,
@@ -135,7 +150,15 @@ class _MtpLayerFeed:
         self.cached_lengths = torch.where(
             num_new > 0, torch.maximum(self.cached_lengths, start + num_new), self.cached_lengths
         )
-        return hidden
+        return hidden.to(token_ids.device)  # [B, w, H] on the batch's device (no copy on one device)
+
+    def find_devices(self) -> None:
+        """Where this layer, the shared embedding and RoPE compute (a target placed with a `device_map`)."""
+        mtp = self.model
+        self.layer_device = module_device(mtp.layers[self.layer_idx])
+        self.embed_device = module_device(mtp.embed_tokens)
+        rope = mtp.rotary_emb
+        self.rope_device = module_device(rope) if rope is not None else self.layer_device
 
 
 class MtpLayerView(_MtpLayerFeed, CacheView):
@@ -150,6 +173,7 @@ class MtpLayerView(_MtpLayerFeed, CacheView):
         super().__init__(mtp_model, batch_size, pad_lengths)
         self.layer_idx = layer_idx
         self.layer_type = self.layer_types[layer_idx] if self.layer_types is not None else None
+        self.find_devices()
 
     def _claim_columns(
         self,
@@ -182,6 +206,7 @@ class StaticMtpLayerView(_MtpLayerFeed, StaticCacheView):
         super().__init__(mtp_model, batch_size, pad_lengths, plan)
         self.layer_idx = layer_idx
         self.layer_type = self.layer_types[layer_idx] if self.layer_types is not None else None
+        self.find_devices()
 
     def _claim_columns(
         self, index: torch.Tensor, valid: torch.Tensor, real: torch.Tensor
@@ -211,6 +236,7 @@ class MTPProposer(Proposer):
     def __init__(self, target: PreTrainedModel, mtp_model: PreTrainedModel, num_speculative_tokens: int) -> None:
         self.target = target
         self.mtp_model = mtp_model
+        self.head_device = module_device(mtp_model.shared_head)  # the target's head (its last device, if spread)
         self.num_layers = len(mtp_model.layers)
         self.num_speculative_tokens = num_speculative_tokens
         self.ring_size = num_speculative_tokens + self.num_layers + 4
@@ -321,7 +347,8 @@ class MTPProposer(Proposer):
                 carry = self.views[d].feed(batch.token_ids, anchor - 1 + j, drafting.long(), carry[:, None])[:, 0]
             if j >= k:
                 continue
-            logits = self.mtp_model._project_to_logits(carry).float()  # [B, V]
+            head = self.mtp_model._project_to_logits(carry.to(self.head_device))  # [B, V] where the head computes
+            logits = head.to(batch.device, torch.float32)  # [B, V]
             tokens, probs = _draw(sampling, batch, anchor + j, drafting, logits, j)
             draft_ids[:, j] = torch.where(drafting, tokens, -1)
             if probs is not None:
@@ -383,6 +410,7 @@ class MTPProposer(Proposer):
     def _store(self, d: int, start: torch.Tensor, num: torch.Tensor, hidden: torch.Tensor) -> None:
         """Keep hidden[i, m] ([B, w, H], the state at index start[i] + m, m < num[i]) in ring d."""
         assert self.rings is not None
+        hidden = hidden.to(self.rings.device)  # the target's last layer may sit on another device than the batch
         offsets = torch.arange(hidden.shape[1], device=hidden.device)
         valid = (offsets < num[:, None]) & (offsets >= num[:, None] - self.ring_size)  # [B, w]
         # Distinct ring slots for the kept states (at most R of them); the others all go to the spare slot R.

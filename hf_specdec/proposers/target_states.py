@@ -28,6 +28,8 @@ class VerifyCapture:
         keep_last_hidden (`bool`): Keep the decoder's output (after its final norm).
         cache_layers (`list[int]`): Cache layers whose keys and values to keep as the forward left them (before
             the loop rolls the cache back).
+        device (`torch.device`, *optional*): Where to keep the hidden states (a target spread over devices computes
+            its layers on several: the drafter reads them on the batch's device). Keys and values stay where they are.
     """
 
     def __init__(
@@ -36,8 +38,10 @@ class VerifyCapture:
         layer_ids: list[int] = (),
         keep_last_hidden: bool = True,
         cache_layers: list[int] = (),
+        device: torch.device | None = None,
     ) -> None:
         self.decoder = target.get_decoder()
+        self.device = device
         self.layer_ids = list(layer_ids)
         self.keep_last_hidden = keep_last_hidden
         self.attention_mask: Any = None  # dict of [B, 1, w, W] masks (bool or additive), a tensor, or None
@@ -91,7 +95,7 @@ class VerifyCapture:
         if not self._mine():
             return
         hidden = getattr(output, "last_hidden_state", None)
-        self.last_hidden = hidden if hidden is not None else output[0]
+        self.last_hidden = self._home(hidden if hidden is not None else output[0])
         # Rollback replaces a layer's tensors (crop slices, compaction gathers) and never writes into them.
         self.kv = {i: (self.cache.layers[i].keys, self.cache.layers[i].values) for i in self.cache_layers}
 
@@ -99,9 +103,13 @@ class VerifyCapture:
         def keep(module: torch.nn.Module, args: tuple, output: Any) -> None:
             if not self._mine():
                 return
-            self.layer_outputs[layer_id] = output if isinstance(output, torch.Tensor) else output[0]
+            self.layer_outputs[layer_id] = self._home(output if isinstance(output, torch.Tensor) else output[0])
 
         return keep
+
+    def _home(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`hidden` on `self.device` (no copy when it is there, or when no device was given)."""
+        return hidden if self.device is None or hidden.device == self.device else hidden.to(self.device)
 
 
 def allowed_keys(
