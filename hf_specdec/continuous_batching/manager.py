@@ -27,6 +27,7 @@ from hf_specdec.continuous_batching.draft_model import DraftModelCBProposer
 from hf_specdec.continuous_batching.processor import CBSpecStats, SpecBatchProcessor
 from hf_specdec.continuous_batching.proposers import CBProposer, NgramCBProposer
 from hf_specdec.continuous_batching.sampling import RowSampler, check_processors
+from hf_specdec.metrics import SpecDecodeStats
 from hf_specdec.continuous_batching.scheduling import speculative_scheduler_class
 from hf_specdec.sampling.random import random_seeds
 
@@ -110,7 +111,8 @@ def speculative_cb_config(config: ContinuousBatchingConfig | None) -> Continuous
 
 
 class SpecContinuousBatchingManager(ContinuousBatchingManager):
-    """A continuous-batching manager whose requests are decoded with speculation (`spec_decoder`)."""
+    """A continuous-batching manager whose requests are decoded with speculation (`spec_decoder`). When it stops,
+    `spec_decoder.last_stats` holds the drafted and accepted counts of its loop (all requests together)."""
 
     def __init__(
         self,
@@ -190,7 +192,15 @@ class SpecContinuousBatchingManager(ContinuousBatchingManager):
 
     def stop(self, block: bool = True, timeout: float | None = None, keep_for_next_session: bool = False,
              hard_stop: bool = False) -> None:
+        processor = self.batch_processor
         super().stop(block=block, timeout=timeout, keep_for_next_session=keep_for_next_session, hard_stop=hard_stop)
+        if isinstance(processor, SpecBatchProcessor):
+            stats = processor.spec_stats
+            self.spec_decoder.last_stats = SpecDecodeStats(
+                num_drafting_row_steps=stats.verify_steps,
+                num_draft_tokens=stats.drafted,
+                num_accepted_tokens=stats.accepted,
+            )
         if not keep_for_next_session and self._draft_attn_impl is not None:
             self.spec_decoder.draft_model.set_attn_implementation(self._draft_attn_impl)
             self._draft_attn_impl = None
