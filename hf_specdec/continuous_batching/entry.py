@@ -19,6 +19,10 @@ import torch
 from hf_specdec.config import SpecDecoder
 from hf_specdec.continuous_batching.compat import ContinuousMixin
 
+#: A model attribute naming the SpecDecoder every continuous-batching manager of that model speculates with, when a
+#: call names none (set by `set_default_spec`; how `hf-specdec serve` reaches transformers' serve app).
+DEFAULT_SPEC_ATTRIBUTE = "_hf_specdec_cb_spec_decoder"
+
 _PENDING_SPEC: contextvars.ContextVar[SpecDecoder | None] = contextvars.ContextVar("hf_specdec_cb_spec", default=None)
 _ORIGINALS: dict[str, Callable] = {}
 
@@ -38,6 +42,8 @@ def _init_continuous_batching(original: Callable) -> Callable:
     def init_continuous_batching(self, generation_config=None, continuous_batching_config=None,  # noqa: ANN001, ANN202
                                  workload_hints=None, spec_decoder: SpecDecoder | None = None):
         spec = spec_decoder if spec_decoder is not None else _PENDING_SPEC.get()
+        if spec is None:
+            spec = getattr(self, DEFAULT_SPEC_ATTRIBUTE, None)
         if spec is None:
             return original(self, generation_config, continuous_batching_config, workload_hints)
         from hf_specdec.continuous_batching.manager import init_spec_continuous_batching
@@ -79,6 +85,18 @@ def _generate_batch(original: Callable) -> Callable:
             _PENDING_SPEC.reset(token)
 
     return generate_batch
+
+
+def set_default_spec(model: torch.nn.Module, spec: SpecDecoder | None) -> None:
+    """Make every continuous-batching manager of `model` that names no spec_decoder speculate with `spec` (None:
+    stop). Used where the caller of `init_continuous_batching` is not ours, e.g. transformers' serve app."""
+    if spec is None:
+        if hasattr(model, DEFAULT_SPEC_ATTRIBUTE):
+            delattr(model, DEFAULT_SPEC_ATTRIBUTE)
+        return
+    if not isinstance(spec, SpecDecoder):
+        raise TypeError(f"spec must be a hf_specdec.SpecDecoder or None, got {type(spec).__name__}.")
+    setattr(model, DEFAULT_SPEC_ATTRIBUTE, spec)
 
 
 def install_cb() -> None:
@@ -124,10 +142,14 @@ def paged_generate(model: torch.nn.Module, inputs: torch.Tensor | None, kwargs: 
     for i, row in enumerate(inputs.tolist()):
         keep = mask[i].bool().tolist() if mask is not None else [True] * len(row)
         rows.append([t for t, k in zip(row, keep) if k])
-    generation_config, model_kwargs = model._prepare_generation_config(kwargs.pop("generation_config", None), **kwargs)
-    max_new_tokens = generation_config.max_new_tokens
+    cb_config = kwargs.pop("continuous_batching_config", None)
+    generation_config, _ = model._prepare_generation_config(kwargs.pop("generation_config", None), **kwargs)
     outputs = model.generate_batch(
-        rows, generation_config=generation_config, spec_decoder=spec, max_new_tokens=max_new_tokens
+        rows,
+        generation_config=generation_config,
+        continuous_batching_config=cb_config,
+        spec_decoder=spec,
+        max_new_tokens=generation_config.max_new_tokens,
     )
     sequences = [outputs[f"req_{i}"].prompt_ids + outputs[f"req_{i}"].generated_tokens for i in range(len(rows))]
     pad = generation_config.pad_token_id if generation_config.pad_token_id is not None else 0

@@ -19,9 +19,8 @@ def cb_config(**overrides) -> ContinuousBatchingConfig:
 
 
 def greedy_config(max_new_tokens: int = 24, eos_token_id: int = 2, **kwargs) -> GenerationConfig:
-    return GenerationConfig(
-        max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_token_id, pad_token_id=0, **kwargs
-    )
+    kwargs.setdefault("do_sample", False)
+    return GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=0, **kwargs)
 
 
 def tokens(outputs: dict) -> dict[str, list[int]]:
