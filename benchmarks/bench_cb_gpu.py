@@ -36,16 +36,40 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 import hf_specdec
 
 SHAPES = {
-    "target": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                   num_key_value_heads=8, tie_word_embeddings=False),  # fmt: skip
-    "draft": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=12,
-                  num_key_value_heads=4, tie_word_embeddings=True),  # fmt: skip
+    "target": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        tie_word_embeddings=False,
+    ),  # fmt: skip
+    "draft": dict(
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=4,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        tie_word_embeddings=True,
+    ),  # fmt: skip
 }
 TINY = {
-    "target": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, tie_word_embeddings=False),  # fmt: skip
-    "draft": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                  num_key_value_heads=2, tie_word_embeddings=True),  # fmt: skip
+    "target": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    ),  # fmt: skip
+    "draft": dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    ),  # fmt: skip
 }
 
 
@@ -78,9 +102,15 @@ def make_synthetic(draft: LlamaForCausalLM, perm: torch.Tensor, alpha: float) ->
 
     def forward(self, input_ids=None, position_ids=None, logits_to_keep=0, **kwargs):  # noqa: ANN001, ANN202
         out = real_forward(input_ids=input_ids, position_ids=position_ids, logits_to_keep=logits_to_keep, **kwargs)
-        rows = logits_to_keep if isinstance(logits_to_keep, torch.Tensor) else torch.arange(
-            input_ids.shape[1] - out.logits.shape[1], input_ids.shape[1], device=input_ids.device)
-        tok, pos = input_ids[0, rows].long(), position_ids[0, rows].long()  # [R] (CB passes int32: widen before hashing)
+        rows = (
+            logits_to_keep
+            if isinstance(logits_to_keep, torch.Tensor)
+            else torch.arange(input_ids.shape[1] - out.logits.shape[1], input_ids.shape[1], device=input_ids.device)
+        )
+        tok, pos = (
+            input_ids[0, rows].long(),
+            position_ids[0, rows].long(),
+        )  # [R] (CB passes int32: widen before hashing)
         h = (pos * 1_000_003 + tok) * 2_654_435_761 % (2**31)
         right = h.double() / 2**31 < self.synthetic_alpha
         proposal = torch.where(right, perm[tok], (perm[tok] + 1) % vocab)  # [R]

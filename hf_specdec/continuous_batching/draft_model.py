@@ -39,7 +39,9 @@ class _DraftRequest:
     fed: int = 0  # drafts of this step written to the draft KV (k - 1)
 
 
-def draft_cache_config(target_cb_config: ContinuousBatchingConfig, cache: PagedAttentionCache) -> ContinuousBatchingConfig:
+def draft_cache_config(
+    target_cb_config: ContinuousBatchingConfig, cache: PagedAttentionCache
+) -> ContinuousBatchingConfig:
     """The draft cache's config: the target's page size and capacity (in tokens) and no decode fast path."""
     config = copy.copy(target_cb_config)
     config.num_blocks = cache.num_blocks
@@ -53,12 +55,20 @@ def draft_cache_config(target_cb_config: ContinuousBatchingConfig, cache: PagedA
 class DraftModelCBProposer(CBProposer):
     """Drafts with a smaller causal LM sharing the target's vocabulary, batched over the decoding requests."""
 
-    def __init__(self, draft: torch.nn.Module, target_cache: PagedAttentionCache, cb_config: ContinuousBatchingConfig,
-                 distributed_helper: object, sampler: RowSampler) -> None:
+    def __init__(
+        self,
+        draft: torch.nn.Module,
+        target_cache: PagedAttentionCache,
+        cb_config: ContinuousBatchingConfig,
+        distributed_helper: object,
+        sampler: RowSampler,
+    ) -> None:
         self.draft = draft
         self.returns_probs = sampler.do_sample
         config = draft_cache_config(cb_config, target_cache)
-        self.cache = new_paged_cache(draft.config.get_text_config(), config, draft.device, draft.dtype, distributed_helper)
+        self.cache = new_paged_cache(
+            draft.config.get_text_config(), config, draft.device, draft.dtype, distributed_helper
+        )
         self.ios = new_draft_ios(self.cache, draft.config.get_text_config(), config, draft.device, draft.dtype)
         self.max_batch_tokens = self.cache.max_batch_tokens
         self.max_requests = config.max_requests_per_batch
@@ -107,8 +117,9 @@ class DraftModelCBProposer(CBProposer):
 
     @property
     def ios_processors(self):  # noqa: ANN201 (transformers' processor list)
-        from hf_specdec.continuous_batching.compat import ContinuousBatchingLogitsProcessorList
         from transformers.generation.logits_process import LogitsProcessorList
+
+        from hf_specdec.continuous_batching.compat import ContinuousBatchingLogitsProcessorList
 
         if not hasattr(self, "_ios_processors"):
             self._ios_processors = ContinuousBatchingLogitsProcessorList(LogitsProcessorList())

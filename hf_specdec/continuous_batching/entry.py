@@ -39,8 +39,13 @@ def _check_inputs(inputs: Any) -> None:
 
 def _init_continuous_batching(original: Callable) -> Callable:
     @functools.wraps(original)
-    def init_continuous_batching(self, generation_config=None, continuous_batching_config=None,  # noqa: ANN001, ANN202
-                                 workload_hints=None, spec_decoder: SpecDecoder | None = None):
+    def init_continuous_batching(
+        self,
+        generation_config=None,
+        continuous_batching_config=None,  # noqa: ANN001, ANN202
+        workload_hints=None,
+        spec_decoder: SpecDecoder | None = None,
+    ):
         spec = spec_decoder if spec_decoder is not None else _PENDING_SPEC.get()
         if spec is None:
             spec = getattr(self, DEFAULT_SPEC_ATTRIBUTE, None)
@@ -58,8 +63,12 @@ def _init_continuous_batching(original: Callable) -> Callable:
 def _context_manager(original: Callable) -> Callable:
     @functools.wraps(original)
     @contextmanager
-    def continuous_batching_context_manager(self, *args: Any, spec_decoder: SpecDecoder | None = None,  # noqa: ANN001
-                                            **kwargs: Any) -> Iterator[Any]:
+    def continuous_batching_context_manager(
+        self,
+        *args: Any,
+        spec_decoder: SpecDecoder | None = None,  # noqa: ANN001
+        **kwargs: Any,
+    ) -> Iterator[Any]:
         with ExitStack() as stack:
             token = _PENDING_SPEC.set(spec_decoder) if spec_decoder is not None else None
             try:
@@ -122,8 +131,9 @@ def uninstall_cb() -> None:
     _ORIGINALS.clear()
 
 
-def paged_generate(model: torch.nn.Module, inputs: torch.Tensor | None, kwargs: dict[str, Any],
-                   spec: SpecDecoder) -> torch.Tensor:
+def paged_generate(
+    model: torch.nn.Module, inputs: torch.Tensor | None, kwargs: dict[str, Any], spec: SpecDecoder
+) -> torch.Tensor:
     """`generate(..., cache_implementation="paged", spec_decoder=spec)`: every row through speculative continuous
     batching. Unlike transformers' own paged route, left padding is removed with the attention mask (transformers
     feeds pad tokens as prompt). Returns transformers' paged shape `[1, B, L]` (prompt then generated tokens, rows

@@ -27,8 +27,8 @@ from hf_specdec.continuous_batching.draft_model import DraftModelCBProposer
 from hf_specdec.continuous_batching.processor import CBSpecStats, SpecBatchProcessor
 from hf_specdec.continuous_batching.proposers import CBProposer, NgramCBProposer
 from hf_specdec.continuous_batching.sampling import RowSampler, check_processors
-from hf_specdec.metrics import SpecDecodeStats
 from hf_specdec.continuous_batching.scheduling import speculative_scheduler_class
+from hf_specdec.metrics import SpecDecodeStats
 from hf_specdec.sampling.random import random_seeds
 
 #: SpecDecoder methods continuous batching speculates with.
@@ -167,7 +167,11 @@ class SpecContinuousBatchingManager(ContinuousBatchingManager):
         if spec.method == "ngram":
             return NgramCBProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
         return DraftModelCBProposer(
-            spec.draft_model, processor.cache, self.continuous_batching_config, self.distributed_helper, self.row_sampler
+            spec.draft_model,
+            processor.cache,
+            self.continuous_batching_config,
+            self.distributed_helper,
+            self.row_sampler,
         )
 
     def _create_batch_processor(self) -> SpecBatchProcessor:
@@ -190,8 +194,13 @@ class SpecContinuousBatchingManager(ContinuousBatchingManager):
         )
         return processor
 
-    def stop(self, block: bool = True, timeout: float | None = None, keep_for_next_session: bool = False,
-             hard_stop: bool = False) -> None:
+    def stop(
+        self,
+        block: bool = True,
+        timeout: float | None = None,
+        keep_for_next_session: bool = False,
+        hard_stop: bool = False,
+    ) -> None:
         processor = self.batch_processor
         super().stop(block=block, timeout=timeout, keep_for_next_session=keep_for_next_session, hard_stop=hard_stop)
         if isinstance(processor, SpecBatchProcessor):

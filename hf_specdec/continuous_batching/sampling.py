@@ -84,7 +84,9 @@ class RowSampler:
         return self.processors(input_ids, logits, args)
 
     def seeds(self, states: list[RequestState], device: torch.device) -> torch.Tensor:  # [R] int64
-        return torch.tensor([request_seed(self.base_seed, s.request_id) for s in states], dtype=torch.long, device=device)
+        return torch.tensor(
+            [request_seed(self.base_seed, s.request_id) for s in states], dtype=torch.long, device=device
+        )
 
     def draft_tokens(
         self,

@@ -32,7 +32,9 @@ def refuse(model, match: str, spec=None, generation_config=None, **cb) -> None:
 def test_refusals(target):
     refuse(target, "method=", spec=hf_specdec.SpecDecoder(method="early_exit", early_exit_layers=1))
     refuse(  # transformers drops it by default (plain CB too); kept, it is refused
-        target, "RepetitionPenalty", generation_config=greedy_config(repetition_penalty=1.3),
+        target,
+        "RepetitionPenalty",
+        generation_config=greedy_config(repetition_penalty=1.3),
         drop_unsupported_processors=False,
     )
     refuse(target, "return_logprobs", return_logprobs=True)
@@ -53,8 +55,9 @@ def test_init_context_manager_and_default_spec(target):
     gen = greedy_config()
     plain = tokens(target.generate_batch(PROMPTS, gen, continuous_batching_config=cb_config()))
     spec = hf_specdec.SpecDecoder(method="ngram")
-    with target.continuous_batching_context_manager(gen, continuous_batching_config=cb_config(),
-                                                     spec_decoder=spec) as manager:
+    with target.continuous_batching_context_manager(
+        gen, continuous_batching_config=cb_config(), spec_decoder=spec
+    ) as manager:
         assert isinstance(manager, SpecContinuousBatchingManager)
         ids = manager.add_requests(PROMPTS)
         results = {}
@@ -77,10 +80,20 @@ def test_paged_generate_with_prompt_lookup_strips_left_padding(target):
     """generate(cache_implementation="paged", prompt_lookup_num_tokens=3) speculates; rows are the unpadded prompts."""
     input_ids = torch.tensor([[0, 0] + PROMPTS[1], PROMPTS[0]])
     mask = (input_ids != 0).long()
-    out = target.generate(input_ids, attention_mask=mask, cache_implementation="paged", prompt_lookup_num_tokens=3,
-                          max_new_tokens=12, do_sample=False, continuous_batching_config=cb_config())
-    plain = tokens(target.generate_batch([PROMPTS[1], PROMPTS[0]], greedy_config(max_new_tokens=12),
-                                         continuous_batching_config=cb_config()))
+    out = target.generate(
+        input_ids,
+        attention_mask=mask,
+        cache_implementation="paged",
+        prompt_lookup_num_tokens=3,
+        max_new_tokens=12,
+        do_sample=False,
+        continuous_batching_config=cb_config(),
+    )
+    plain = tokens(
+        target.generate_batch(
+            [PROMPTS[1], PROMPTS[0]], greedy_config(max_new_tokens=12), continuous_batching_config=cb_config()
+        )
+    )
     assert out.shape[0] == 1
     assert out[0, 0, : len(PROMPTS[1]) + len(plain["req_0"])].tolist() == PROMPTS[1] + plain["req_0"]
     assert out[0, 1, : len(PROMPTS[0]) + len(plain["req_1"])].tolist() == PROMPTS[0] + plain["req_1"]

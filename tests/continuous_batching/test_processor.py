@@ -43,7 +43,9 @@ def test_target_as_its_own_draft_accepts_and_stops_mid_block(target):
     # An EOS id that request 0 emits at its 3rd token, not before: mid-block for k = 4 (blocks of 5 after the first)
     eos = plain_free["req_0"][3]
     assert eos not in plain_free["req_0"][:3]
-    spec = hf_specdec.SpecDecoder(draft_model=target, num_speculative_tokens=4, num_speculative_tokens_schedule="constant")
+    spec = hf_specdec.SpecDecoder(
+        draft_model=target, num_speculative_tokens=4, num_speculative_tokens_schedule="constant"
+    )
     plain, spec_out = plain_and_spec(target, inputs, spec, greedy_config(max_new_tokens=13, eos_token_id=eos))
     assert spec_out == plain
     stats = spec.last_stats

@@ -41,8 +41,14 @@ def exact_law(target, temperature: float) -> torch.Tensor:  # [V ** NUM_TOKENS]
         prefixes = torch.tensor(list(itertools.product(range(VOCAB), repeat=i)), dtype=torch.long).reshape(VOCAB**i, i)
         rows = torch.cat([torch.tensor([PROMPT]).expand(len(prefixes), -1), prefixes], dim=1)
         out = target.generate(
-            rows, attention_mask=torch.ones_like(rows), max_new_tokens=1, do_sample=True, output_scores=True,
-            return_dict_in_generate=True, temperature=temperature, top_k=SAMPLING["top_k"],
+            rows,
+            attention_mask=torch.ones_like(rows),
+            max_new_tokens=1,
+            do_sample=True,
+            output_scores=True,
+            return_dict_in_generate=True,
+            temperature=temperature,
+            top_k=SAMPLING["top_k"],
         )
         step = out.scores[0].double().softmax(-1)  # [V ** i, V]
         finished = (prefixes == EOS_ID).any(1)
@@ -65,12 +71,20 @@ def p_value(counts: torch.Tensor, law: torch.Tensor) -> float:
 @pytest.mark.parametrize("method", ["draft", "ngram"])
 def test_first_two_tokens_follow_the_target_law(target, method):
     draft = make_noisy_copy(target, noise=0.05, seed=3) if method == "draft" else None
-    spec = hf_specdec.SpecDecoder(method=method, draft_model=draft, num_speculative_tokens=2, seed=1234,
-                                  num_speculative_tokens_schedule="constant")
-    gen = GenerationConfig(max_new_tokens=NUM_TOKENS + 1, do_sample=True, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
-                           **SAMPLING)
+    spec = hf_specdec.SpecDecoder(
+        method=method,
+        draft_model=draft,
+        num_speculative_tokens=2,
+        seed=1234,
+        num_speculative_tokens_schedule="constant",
+    )
+    gen = GenerationConfig(
+        max_new_tokens=NUM_TOKENS + 1, do_sample=True, eos_token_id=EOS_ID, pad_token_id=PAD_ID, **SAMPLING
+    )
     outputs = target.generate_batch(
-        [PROMPT] * NUM_SAMPLES, gen, continuous_batching_config=cb_config(num_blocks=512, max_batch_tokens=1024),
+        [PROMPT] * NUM_SAMPLES,
+        gen,
+        continuous_batching_config=cb_config(num_blocks=512, max_batch_tokens=1024),
         spec_decoder=spec,
     )
     assert len(outputs) == NUM_SAMPLES and all(o.error is None for o in outputs.values())
