@@ -189,8 +189,8 @@ class DraftModelCBProposer(CBProposer):
             ids = torch.tensor([seqs[r][-1] if j == 0 else tokens[r][-1] for r in active], device=device)
             scores = sampler.scores(logits, ids, args[:, active])  # [R', V]
             chosen, q = sampler.draft_tokens(scores, [owners[r] for r in active], j)
-            for row, r in enumerate(active):
-                tokens[r].append(int(chosen[row]))
+            for row, (r, token) in enumerate(zip(active, chosen.tolist())):  # one host read per draft position
+                tokens[r].append(token)
                 if q is not None:
                     probs[r].append(q[row])
             active = [r for r in active if len(tokens[r]) < ks[r]]

@@ -164,21 +164,23 @@ class SpecBatchProcessor(ContinuousBatchProcessor):
         scores = self.sampler.scores(logits, batch_data["input_ids"][0, indices], args)  # [N, V]
 
         batch, vocab = len(verifying), scores.shape[-1]
-        width = max(len(d.token_ids) for _, d in verifying)
-        target = scores.new_zeros((batch, width + 1, vocab))  # [B, k+1, V]
-        draft_ids = torch.full((batch, width), -1, dtype=torch.long, device=device)  # [B, k]
-        num_drafts = torch.zeros(batch, dtype=torch.long, device=device)  # [B]
-        draft_probs = scores.new_zeros((batch, width, vocab)) if self.proposer.returns_probs else None  # [B, k, V]
-        start = 0
-        for b, (_, drafts) in enumerate(verifying):
-            n = len(drafts.token_ids)
-            target[b, : n + 1] = scores[start : start + n + 1]
-            if n:
-                draft_ids[b, :n] = torch.tensor(drafts.token_ids, device=device)
-                num_drafts[b] = n
-                if draft_probs is not None and drafts.probs is not None:
-                    draft_probs[b, :n] = drafts.probs
-            start += n + 1
+        counts = [len(d.token_ids) for _, d in verifying]
+        width = max(counts)
+        # Pad to [B, k+1] with one gather (rows past a request's drafts repeat its last row and are never read)
+        starts = [0]
+        for n in counts[:-1]:
+            starts.append(starts[-1] + n + 1)
+        gather = [[start + min(j, n) for j in range(width + 1)] for start, n in zip(starts, counts)]
+        target = scores[torch.tensor(gather, dtype=torch.long, device=device)]  # [B, k+1, V]
+        draft_rows = [d.token_ids + [-1] * (width - len(d.token_ids)) for _, d in verifying]
+        draft_ids = torch.tensor(draft_rows, dtype=torch.long, device=device).reshape(batch, width)  # [B, k]
+        num_drafts = torch.tensor(counts, dtype=torch.long, device=device)  # [B]
+        draft_probs = None
+        if self.proposer.returns_probs:
+            draft_probs = scores.new_zeros((batch, width, vocab))  # [B, k, V]
+            for b, (_, drafts) in enumerate(verifying):
+                if drafts.probs is not None and counts[b]:
+                    draft_probs[b, : counts[b]] = drafts.probs
         self._emitted = self.sampler.verify(target, draft_ids, num_drafts, draft_probs, [s for s, _ in verifying])
 
     # ------------------------------------------------------------------ 3. commit

@@ -4,11 +4,25 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 import hf_specdec
 from hf_specdec.continuous_batching.processor import SpecBatchProcessor
+
+
+@pytest.fixture(autouse=True)
+def installed():
+    """Every continuous-batching test runs with `hf_specdec.install()` and leaves transformers as it found it
+    (imported by each test module: a second conftest.py would shadow the tests' `from conftest import ...`)."""
+    was_installed = hf_specdec.is_installed()
+    hf_specdec.install()
+    try:
+        yield
+    finally:
+        if not was_installed:
+            hf_specdec.uninstall()
 
 
 def cb_config(**overrides) -> ContinuousBatchingConfig:
@@ -32,7 +46,6 @@ def tokens(outputs: dict) -> dict[str, list[int]]:
 
 def plain_and_spec(model, inputs, spec, generation_config, **cb) -> tuple[dict, dict]:
     """(plain generate_batch, speculative generate_batch) token lists for the same requests."""
-    hf_specdec.install()
     plain = model.generate_batch(inputs, generation_config, continuous_batching_config=cb_config(**cb))
     spec_out = model.generate_batch(
         inputs, generation_config, continuous_batching_config=cb_config(**cb), spec_decoder=spec

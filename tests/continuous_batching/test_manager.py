@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cb_helpers import cb_config, greedy_config, tokens
+from cb_helpers import (
+    cb_config,
+    greedy_config,
+    installed,  # noqa: F401 (the autouse fixture)
+    tokens,
+)
 from conftest import make_model
 
 import hf_specdec
@@ -17,7 +22,6 @@ PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 12, 9, 10]]
 
 @pytest.fixture(scope="module")
 def target():
-    hf_specdec.install()
     return make_model("llama", seed=0)
 
 

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cb_helpers import greedy_config, plain_and_spec
+from cb_helpers import (
+    greedy_config,
+    installed,  # noqa: F401 (the autouse fixture)
+    plain_and_spec,
+)
 from conftest import make_model
 
 import hf_specdec

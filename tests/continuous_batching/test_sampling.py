@@ -14,7 +14,10 @@ import itertools
 
 import pytest
 import torch
-from cb_helpers import cb_config
+from cb_helpers import (
+    cb_config,
+    installed,  # noqa: F401 (the autouse fixture)
+)
 from conftest import EOS_ID, PAD_ID, make_model, make_noisy_copy
 from scipy.stats import chisquare
 from transformers import GenerationConfig
@@ -30,7 +33,6 @@ SAMPLING = dict(temperature=0.9, top_k=8)
 
 @pytest.fixture(scope="module")
 def target():
-    hf_specdec.install()
     return make_model("llama", seed=0, vocab=VOCAB)
 
 

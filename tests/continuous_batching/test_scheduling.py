@@ -6,7 +6,14 @@ from __future__ import annotations
 import time
 
 import pytest
-from cb_helpers import cb_config, greedy_config, processor_of, tokens, wait_for
+from cb_helpers import (
+    cb_config,
+    greedy_config,
+    installed,  # noqa: F401 (the autouse fixture)
+    processor_of,
+    tokens,
+    wait_for,
+)
 from conftest import make_model
 
 import hf_specdec
@@ -14,7 +21,6 @@ import hf_specdec
 
 @pytest.fixture(scope="module")
 def target():
-    hf_specdec.install()
     return make_model("llama", seed=0)
 
 

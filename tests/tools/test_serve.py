@@ -51,6 +51,7 @@ def test_two_streaming_requests_at_once_give_plain_tokens(tmp_path):
     from hf_specdec.tools.serve import start_server
 
     port = free_port()
+    was_installed = hf_specdec.is_installed()
     server = start_server(str(tmp_path), method="ngram", k=3, port=port, device="cpu", dtype="float32",
                           cb_page_size=16, cb_num_blocks=64, cb_max_batch_tokens=256, block=False)  # fmt: skip
     try:
@@ -66,11 +67,12 @@ def test_two_streaming_requests_at_once_give_plain_tokens(tmp_path):
         assert cb.spec_stats.drafted > 0
     finally:
         server.kill_server()
+        if not was_installed:
+            hf_specdec.uninstall()
     # Plain continuous batching of the same prompts (greedy), decoded like the server decodes
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-    hf_specdec.install()
     ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
     gen = GenerationConfig(max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=2, pad_token_id=0)
     plain = model.generate_batch(ids, gen, continuous_batching_config=ContinuousBatchingConfig(
