@@ -62,6 +62,12 @@ def is_installed() -> bool:
 def _routed_generate(original):  # noqa: ANN001, ANN202
     @functools.wraps(original)
     def generate_with_speculation(self, *args: Any, **kwargs: Any):  # noqa: ANN001, ANN202
+        if kwargs.get("custom_generate") is generate and kwargs.get("cache_implementation") == "paged":
+            # transformers takes its paged route before calling a custom decoder: continuous batching here too
+            kwargs.pop("custom_generate")
+            spec = kwargs.pop("spec_decoder", None) or SpecDecoder()
+            inputs = args[0] if args else kwargs.pop("inputs", None)
+            return _continuous_batching_entry().paged_generate(self, inputs, kwargs, spec)
         if kwargs.get("custom_generate") is not None:  # the caller chose its decoder: leave the call as it is,
             if kwargs["custom_generate"] is generate and kwargs.get("spec_streamer") is None:
                 # but for ours, stream into streamer= (transformers would not pass it on)

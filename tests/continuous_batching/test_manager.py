@@ -101,3 +101,23 @@ def test_paged_generate_with_prompt_lookup_strips_left_padding(target):
     assert out.shape[0] == 1
     assert out[0, 0, : len(PROMPTS[1]) + len(plain["req_0"])].tolist() == PROMPTS[1] + plain["req_0"]
     assert out[0, 1, : len(PROMPTS[0]) + len(plain["req_1"])].tolist() == PROMPTS[0] + plain["req_1"]
+
+
+def test_custom_generate_with_paged_cache_speculates_in_continuous_batching(target):
+    """transformers takes its paged route before a callable custom_generate: installed, hf_specdec routes it to
+    speculative continuous batching (left padding removed) instead of letting generate_batch drop spec_decoder."""
+    spec = hf_specdec.SpecDecoder(method="ngram")
+    out = target.generate(
+        torch.tensor([[0, 0] + PROMPTS[1]]),
+        attention_mask=torch.tensor([[0, 0] + [1] * len(PROMPTS[1])]),
+        custom_generate=hf_specdec.generate,
+        spec_decoder=spec,
+        cache_implementation="paged",
+        max_new_tokens=8,
+        do_sample=False,
+        continuous_batching_config=cb_config(),
+    )
+    plain = tokens(target.generate_batch([PROMPTS[1]], greedy_config(max_new_tokens=8),
+                                         continuous_batching_config=cb_config()))  # fmt: skip
+    assert out[0, 0].tolist() == PROMPTS[1] + plain["req_0"]
+    assert spec.last_stats is not None
