@@ -28,6 +28,9 @@ from hf_specdec.continuous_batching.compat import (
 from hf_specdec.continuous_batching.proposers import CBProposer, Drafts, sequence
 from hf_specdec.continuous_batching.sampling import RowSampler
 
+#: The most tokens one draft forward takes.
+DRAFT_MAX_BATCH_TOKENS = 2048
+
 
 @dataclass
 class _DraftRequest:
@@ -42,10 +45,11 @@ class _DraftRequest:
 def draft_cache_config(
     target_cb_config: ContinuousBatchingConfig, cache: PagedAttentionCache
 ) -> ContinuousBatchingConfig:
-    """The draft cache's config: the target's page size and capacity (in tokens) and no decode fast path."""
+    """The draft cache's config: the target's page size and capacity (in tokens), no decode fast path, and at most
+    `DRAFT_MAX_BATCH_TOKENS` tokens per forward (catch-ups are chunked; an sdpa draft's attention mask scales with it)."""
     config = copy.copy(target_cb_config)
     config.num_blocks = cache.num_blocks
-    config.max_batch_tokens = cache.max_batch_tokens
+    config.max_batch_tokens = min(cache.max_batch_tokens, DRAFT_MAX_BATCH_TOKENS)
     config.max_memory_percent = 1.0
     config.max_blocks_per_request = 0
     config.allow_block_sharing = False

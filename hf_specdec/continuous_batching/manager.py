@@ -144,17 +144,27 @@ class SpecContinuousBatchingManager(ContinuousBatchingManager):
 
     def _prepare_draft(self) -> None:
         draft = self.spec_decoder.draft_model
-        if draft is not None and draft.config._attn_implementation == "eager":
-            self._draft_attn_impl = "eager"
-            draft.set_attn_implementation("paged|eager")
-        if draft is not None:
-            draft.eval()
-            if self.continuous_batching_config.num_blocks is None:
-                # The draft's KV comes out of the same memory: give the target its share of the budget
-                target_bytes = kv_bytes_per_token(self.model.config.get_text_config(), self.model.dtype)
-                draft_bytes = kv_bytes_per_token(draft.config.get_text_config(), draft.dtype)
-                share = target_bytes / (target_bytes + draft_bytes)
-                self.continuous_batching_config.max_memory_percent *= share
+        if draft is None:
+            return
+        draft.eval()
+        # The draft reads its paged cache like the target: the target's flash implementation when transformers
+        # switched it to one (no attention masks to allocate), else paged|eager for eager
+        target_impl = str(self.model.config._attn_implementation)
+        draft_impl = str(draft.config._attn_implementation)
+        wanted = draft_impl
+        if "flash" in target_impl and "flash" not in draft_impl and getattr(draft, "_supports_flash_attn", False):
+            wanted = target_impl
+        elif draft_impl == "eager":
+            wanted = "paged|eager"
+        if wanted != draft_impl:
+            self._draft_attn_impl = draft_impl
+            draft.set_attn_implementation(wanted)
+        if self.continuous_batching_config.num_blocks is None:
+            # The draft's KV comes out of the same memory: give the target its share of the budget
+            target_bytes = kv_bytes_per_token(self.model.config.get_text_config(), self.model.dtype)
+            draft_bytes = kv_bytes_per_token(draft.config.get_text_config(), draft.dtype)
+            share = target_bytes / (target_bytes + draft_bytes)
+            self.continuous_batching_config.max_memory_percent *= share
 
     @property
     def spec_stats(self) -> CBSpecStats | None:

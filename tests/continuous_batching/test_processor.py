@@ -59,11 +59,14 @@ def test_target_as_its_own_draft_accepts_and_stops_mid_block(target):
 
 
 def test_draft_model_equals_plain(target):
+    """An eager draft reads its paged cache through paged|eager, and gets its implementation back at the end."""
     draft = make_model("llama", seed=1, layers=1, hidden=32)
+    draft.set_attn_implementation("eager")
     spec = hf_specdec.SpecDecoder(draft_model=draft, num_speculative_tokens=3)
     plain, spec_out = plain_and_spec(target, prompts(5, seed=2), spec, greedy_config())
     assert spec_out == plain
     assert spec.last_stats.num_draft_tokens > 0
+    assert draft.config._attn_implementation == "eager"
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])
