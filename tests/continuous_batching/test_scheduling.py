@@ -78,3 +78,34 @@ def test_requests_added_while_others_decode_and_cancel(target, method):
         manager.stop(block=True, timeout=10)
     assert {rid: r.generated_tokens for rid, r in results.items()} == {f"req_{i}": plain[f"req_{i}"] for i in range(3)}
     assert stats.accepted > 0
+
+
+def run_two_waves(target, spec):
+    """A request, then a second one whose prompt is the first's prompt and answer: it reuses the first's blocks
+    (prefix sharing), including blocks completed while decoding. Returns both answers and the hashed block count."""
+    gen = greedy_config(max_new_tokens=40, eos_token_id=-1)
+    manager = target.init_continuous_batching(gen, cb_config(), spec_decoder=spec)
+    manager.start()
+    try:
+        prompt = PROMPTS[3] * 3  # 45 tokens
+        first = wait_for(manager, manager.add_request(prompt, request_id="first"))
+        second_prompt = prompt + first.generated_tokens[:33]  # 78 tokens: 4 full pages, 2 of them decoded
+        second = wait_for(manager, manager.add_request(second_prompt, request_id="second", max_new_tokens=12))
+        allocator = manager.batch_processor.cache.cache_allocators["full_attention"]
+        hashed = len(allocator.ledger.block_to_hash)
+    finally:
+        manager.stop(block=True, timeout=10)
+    return first.generated_tokens, second.generated_tokens, hashed
+
+
+def test_prefix_sharing_of_blocks_completed_while_speculating(target):
+    """Blocks completed while speculating (rejected drafts were written into them) are offered for prefix sharing
+    as plain CB offers them, and a later request reusing them gets plain CB's tokens."""
+    plain = run_two_waves(target, None)
+    spec = hf_specdec.SpecDecoder(
+        draft_model=make_model("llama", seed=1, layers=1, hidden=32), num_speculative_tokens=5
+    )
+    speculative = run_two_waves(target, spec)
+    assert speculative[:2] == plain[:2]
+    assert speculative[2] == plain[2] >= 4  # decoded blocks were offered, as plain CB offers them
+    assert spec.last_stats.num_draft_tokens > spec.last_stats.num_accepted_tokens  # some drafts were rejected
