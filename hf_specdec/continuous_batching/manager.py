@@ -27,6 +27,7 @@ from hf_specdec.continuous_batching.draft_model import DraftModelCBProposer
 from hf_specdec.continuous_batching.processor import CBSpecStats, SpecBatchProcessor
 from hf_specdec.continuous_batching.proposers import CBProposer, NgramCBProposer
 from hf_specdec.continuous_batching.sampling import RowSampler, check_processors
+from hf_specdec.continuous_batching.schedule import RequestSchedule
 from hf_specdec.continuous_batching.scheduling import speculative_scheduler_class
 from hf_specdec.metrics import SpecDecodeStats
 from hf_specdec.sampling.random import random_seeds
@@ -198,8 +199,7 @@ class SpecContinuousBatchingManager(ContinuousBatchingManager):
         processor.setup_speculation(
             proposer=self._make_proposer(processor),
             sampler=self.row_sampler,
-            max_speculative_tokens=spec.max_speculative_tokens,
-            constant_schedule=spec.num_speculative_tokens_schedule == "constant",
+            schedule=RequestSchedule(spec.num_speculative_tokens_schedule, spec.num_speculative_tokens),
             max_positions=max_positions,
         )
         return processor

@@ -11,14 +11,12 @@ One iteration of the manager's loop stays transformers' own (`prepare_next_batch
                the block), roll the KV position back by the rejected drafts (`position_offset -= rejected`), mark
                complete blocks for prefix sharing from committed tokens only, and update the request's k.
 
-Per-request draft length: `num_speculative_tokens_schedule="constant"` keeps k; every other schedule uses HF's
-per-request heuristic here (+2 after a step whose drafts were all accepted, else -1, within 1..k_max), because the
-adaptive schedule of `generate` prices whole-batch steps measured on a fixed batch, which a continuous batch is not.
+Per-request draft length: `schedule.py`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -30,6 +28,7 @@ from hf_specdec.continuous_batching.compat import (
 )
 from hf_specdec.continuous_batching.proposers import CBProposer, Drafts
 from hf_specdec.continuous_batching.sampling import RowSampler
+from hf_specdec.continuous_batching.schedule import RequestSchedule
 
 
 @dataclass
@@ -40,7 +39,6 @@ class CBSpecStats:
     drafted: int = 0
     accepted: int = 0
     emitted: int = 0  # tokens appended by the speculative steps (accepted + recovered/bonus)
-    per_request_k: dict[str, int] = field(default_factory=dict, repr=False)
 
     @property
     def acceptance_rate(self) -> float:
@@ -54,20 +52,17 @@ class SpecBatchProcessor(ContinuousBatchProcessor):
         self,
         proposer: CBProposer,
         sampler: RowSampler,
-        max_speculative_tokens: int,
-        constant_schedule: bool,
+        schedule: RequestSchedule,
         max_positions: int,
     ) -> None:
         self.proposer = proposer
         self.sampler = sampler
-        self.k_max = max_speculative_tokens
-        self.constant_schedule = constant_schedule
+        self.schedule = schedule
         self.max_positions = max_positions
         self.spec_stats = CBSpecStats()
         self._proposed: dict[str, tuple[RequestState, Drafts]] = {}
         self._verifies: dict[str, Drafts] = {}
         self._emitted: list[list[int]] = []
-        self._k: dict[str, int] = {}
         self._known: set[str] = set()  # requests the proposer may hold state for
         self.scheduler.draft_hook = self
         self._supports_logits_to_keep: bool | None = None
@@ -77,14 +72,14 @@ class SpecBatchProcessor(ContinuousBatchProcessor):
         self.proposer.reset()
         self._proposed.clear()
         self._verifies.clear()
-        self._k.clear()
+        self.schedule.clear()
         self._known.clear()
 
     # ------------------------------------------------------------------ 1. propose (called by the scheduler)
 
     def _budget(self, state: RequestState) -> int:
         """The most drafts `state` may get this step: its own k, what max_new_tokens and positions leave."""
-        k = self.k_max if self.constant_schedule else self._k.setdefault(state.request_id, self.k_max)
+        k = self.schedule.budget(state.request_id)
         left = state._new_tokens_limit - state.generated_len() - 1  # the verify emits one token more than it keeps
         room = self.max_positions - state.position_offset - 1  # positions P .. P + k must exist
         return max(0, min(k, left, room))
@@ -93,7 +88,7 @@ class SpecBatchProcessor(ContinuousBatchProcessor):
         live = set(self.scheduler.active_requests) | set(self.scheduler.waiting_requests)
         for request_id in [r for r in self._known if r not in live]:  # cancelled or failed since the last step
             self._known.discard(request_id)
-            self._k.pop(request_id, None)
+            self.schedule.forget(request_id)
             self.proposer.release(request_id)
         ready = [s for s in states if len(s.tokens_to_process) == 1 and s.request_id not in self._proposed]
         ready = ready[: self.scheduler.max_requests_per_batch]
@@ -197,12 +192,6 @@ class SpecBatchProcessor(ContinuousBatchProcessor):
                 complete[name] = count
         self.cache.mark_complete_blocks(state, complete)
 
-    def _update_k(self, request_id: str, drafted: int, accepted: int) -> None:
-        if self.constant_schedule or drafted == 0:
-            return
-        k = self._k.get(request_id, self.k_max)
-        self._k[request_id] = min(self.k_max, k + 2) if accepted == drafted else max(1, k - 1)
-
     def update_batch(self) -> None:
         ios = self.inputs_and_outputs
         emitted = iter(self._emitted)
@@ -229,12 +218,13 @@ class SpecBatchProcessor(ContinuousBatchProcessor):
                 finished = state.update_and_check_completion(token, None)
                 if finished:
                     break
+            if verified:
+                self.schedule.record(state.request_id, drafted, accepted)
             if drafted:
                 self.spec_stats.verify_steps += 1
                 self.spec_stats.drafted += drafted
                 self.spec_stats.accepted += accepted
                 self.spec_stats.emitted += len(tokens)
-                self._update_k(state.request_id, drafted, accepted)
             if verified:
                 self._mark_committed_blocks(state, before)
             else:  # a prefill that ended in this step
@@ -243,7 +233,7 @@ class SpecBatchProcessor(ContinuousBatchProcessor):
                 self.scheduler.finish_request(state.request_id)
                 self.scheduler.block_new_requests = False
                 self.proposer.release(state.request_id)
-                self._k.pop(state.request_id, None)
+                self.schedule.forget(state.request_id)
                 self._known.discard(state.request_id)
             else:
                 self.proposer.commit(state, accepted)
