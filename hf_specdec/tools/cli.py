@@ -121,6 +121,25 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(gen, default_new_tokens=128)
     _add_sampling(gen)
 
+    serve = sub.add_parser("serve", help="OpenAI-compatible server (transformers serve) with speculative CB",
+                           description="Serve MODEL with transformers' OpenAI-compatible app and continuous batching, "
+                                       "every request decoded with speculation (prompt lookup, or --draft).")  # fmt: skip
+    serve.set_defaults(subparser=serve)
+    serve.add_argument("model", metavar="MODEL", help="model id or local path (the target)")
+    serve.add_argument("--draft", default=None, metavar="ID", help="a draft model sharing the target's tokenizer")
+    serve.add_argument("--method", default=None, choices=["ngram", "draft"],
+                       help="default: draft with --draft, else ngram (prompt lookup)")  # fmt: skip
+    serve.add_argument("--k", type=_bounded_int(1, 32, "--k"), default=4, help="most drafts per step (default: 4)")
+    serve.add_argument("--schedule", default="adaptive", choices=["adaptive", "constant", "heuristic"],
+                       help="per-request draft length: heuristic (+2/-1; what adaptive means in CB) or constant")  # fmt: skip
+    serve.add_argument("--host", default="localhost")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--device", default="auto")
+    serve.add_argument("--dtype", default="auto")
+    serve.add_argument("--cb-page-size", type=int, default=None)
+    serve.add_argument("--cb-num-blocks", type=int, default=None)
+    serve.add_argument("--cb-max-batch-tokens", type=int, default=None)
+
     bench = sub.add_parser("bench", help="benchmark methods over a prompt file, Spec-Bench style",
                            description="Run each method over the prompts (tqdm progress), print per-category speedup "
                                        "over plain and mean accepted tokens, write JSON and optionally a bar chart.")  # fmt: skip
@@ -285,6 +304,18 @@ def _cmd_bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from hf_specdec.tools.serve import start_server
+
+    method = args.method or ("draft" if args.draft else "ngram")
+    start_server(
+        args.model, method=method, draft=args.draft, k=args.k, schedule=args.schedule, host=args.host,
+        port=args.port, device=args.device, dtype=args.dtype, cb_page_size=args.cb_page_size,
+        cb_num_blocks=args.cb_num_blocks, cb_max_batch_tokens=args.cb_max_batch_tokens,
+    )  # fmt: skip
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``hf-specdec`` console script; returns the exit code."""
     parser = build_parser()
@@ -299,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_demo(args)
         if args.command == "generate":
             return _cmd_generate(args.subparser, args)
+        if args.command == "serve":
+            return _cmd_serve(args)
         return _cmd_bench(args.subparser, args)
     except SmolLM2NotAvailableError as err:
         print(f"hf-specdec: error: {err}", file=sys.stderr)

@@ -1,0 +1,111 @@
+"""transformers' continuous-batching internals that hf_specdec's speculative CB relies on, gathered in one place.
+
+Everything private we touch in `transformers.generation.continuous_batching` is imported or named here, so that a
+transformers release that moves one breaks in this module only. Written against transformers 5.24; 5.17 (and any
+release before 5.24) has another cache layer (`cache_manager.py`, block allocation inside the scheduler) and is
+refused with `check_transformers_version`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import transformers
+from packaging import version
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
+from transformers.generation.continuous_batching import continuous_api
+from transformers.generation.continuous_batching.cache import PagedAttentionCache
+from transformers.generation.continuous_batching.cb_logits_processors import (
+    ContinuousBatchingLogitsProcessor,
+    ContinuousBatchingLogitsProcessorList,
+)
+from transformers.generation.continuous_batching.continuous_api import (
+    ContinuousBatchingManager,
+    ContinuousBatchProcessor,
+    ContinuousMixin,
+)
+from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs
+from transformers.generation.continuous_batching.requests import (
+    TMP_TOKEN_ID,
+    FutureRequestState,
+    RequestState,
+    RequestStatus,
+)
+from transformers.generation.continuous_batching.scheduler import Scheduler
+
+__all__ = [
+    "MIN_TRANSFORMERS",
+    "TMP_TOKEN_ID",
+    "ContinuousBatchProcessor",
+    "ContinuousBatchingConfig",
+    "ContinuousBatchingIOs",
+    "ContinuousBatchingLogitsProcessor",
+    "ContinuousBatchingLogitsProcessorList",
+    "ContinuousBatchingManager",
+    "ContinuousMixin",
+    "FutureRequestState",
+    "PagedAttentionCache",
+    "RequestState",
+    "RequestStatus",
+    "Scheduler",
+    "check_transformers_version",
+    "continuous_api",
+    "new_draft_ios",
+    "sliding_window_layers",
+]
+
+#: The first transformers release whose continuous batching this package speculates in.
+MIN_TRANSFORMERS = "5.24.0"
+
+
+def check_transformers_version() -> None:
+    """Refuse transformers releases whose continuous-batching internals differ from the ones this package subclasses."""
+    found = version.parse(transformers.__version__)
+    if found.release < version.parse(MIN_TRANSFORMERS).release:
+        raise RuntimeError(
+            f"Speculative continuous batching needs transformers >= {MIN_TRANSFORMERS}, found {transformers.__version__}"
+            " (its paged cache and scheduler differ before 5.24): `pip install -U 'transformers>=5.24'`, or use "
+            "`model.generate(..., spec_decoder=spec)` without continuous batching."
+        )
+
+
+def sliding_window_layers(cache: PagedAttentionCache) -> list[str]:
+    """The cache's attention groups that keep a ring of the window's size (drafts would overwrite live slots)."""
+    return [name for name in cache.cache_allocators if name != "full_attention"]
+
+
+def new_draft_ios(
+    cache: PagedAttentionCache, config: Any, cb_config: ContinuousBatchingConfig, device: Any, dtype: Any
+) -> ContinuousBatchingIOs:
+    """A fresh set of static input tensors over the draft model's own paged cache (no logits processors)."""
+    from transformers.generation.logits_process import LogitsProcessorList
+
+    return ContinuousBatchingIOs(
+        cache=cache,
+        config=config,
+        continuous_batching_config=cb_config,
+        device=device,
+        model_dtype=dtype,
+        logit_processor=ContinuousBatchingLogitsProcessorList(LogitsProcessorList()),
+    )
+
+
+def new_paged_cache(config: Any, cb_config: ContinuousBatchingConfig, device: Any, dtype: Any, helper: Any) -> Any:
+    """A `PagedAttentionCache` for a draft model, sized by `cb_config` (num_blocks and max_batch_tokens set)."""
+    return PagedAttentionCache(
+        config=config, continuous_batching_config=cb_config, device=device, distributed_helper=helper, dtype=dtype
+    )
+
+
+def attention_groups(config: Any) -> list[str]:
+    """The attention groups (`full_attention`, `sliding_attention`) transformers' paged cache makes for `config`."""
+    from transformers.generation.continuous_batching.cache import group_layers_by_attn_type
+
+    return list(group_layers_by_attn_type(config))
+
+
+def kv_bytes_per_token(config: Any, dtype: Any) -> int:
+    """Bytes of keys and values one token takes in a paged cache for `config` (all layers)."""
+    from transformers.generation.continuous_batching.utils import find_head_dim, find_num_key_value_heads
+
+    return 2 * config.num_hidden_layers * find_num_key_value_heads(config) * find_head_dim(config) * dtype.itemsize
