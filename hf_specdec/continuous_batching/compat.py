@@ -58,12 +58,13 @@ __all__ = [
 MIN_TRANSFORMERS = "5.24.0"
 
 
-def check_transformers_version() -> None:
-    """Refuse transformers releases whose continuous-batching internals differ from the ones this package subclasses."""
-    found = version.parse(transformers.__version__)
-    if found.release < version.parse(MIN_TRANSFORMERS).release:
+def check_transformers_version(found: str | None = None) -> None:
+    """Refuse transformers releases (`found`, default the installed one) whose continuous-batching internals differ
+    from the ones this package subclasses."""
+    found = transformers.__version__ if found is None else found
+    if version.parse(found).release < version.parse(MIN_TRANSFORMERS).release:
         raise RuntimeError(
-            f"Speculative continuous batching needs transformers >= {MIN_TRANSFORMERS}, found {transformers.__version__}"
+            f"Speculative continuous batching needs transformers >= {MIN_TRANSFORMERS}, found {found}"
             " (its paged cache and scheduler differ before 5.24): `pip install -U 'transformers>=5.24'`, or use "
             "`model.generate(..., spec_decoder=spec)` without continuous batching."
         )

@@ -145,15 +145,16 @@ class SpecBatchProcessor(ContinuousBatchProcessor):
             row_request.extend([len(verifying)] * (n + 1))
             verifying.append((future.state, drafts))
         self._emitted = []
-        if not verifying:
-            return
-        indices = torch.tensor(rows, dtype=torch.long, device=device)  # [N]
+        # A batch of prefill chunks only still runs: the forward writes their KV (one row kept, then dropped)
+        indices = torch.tensor(rows or [end - 1], dtype=torch.long, device=device)  # [N]
         batch_data["logits_indices"] = indices
         if self._logits_to_keep_supported(model):
             batch_data["logits_to_keep"] = indices
             logits = model(**batch_data).logits[0]  # [N, V]
         else:
             logits = model(**batch_data).logits[0, indices]  # [N, V]
+        if not verifying:
+            return
         columns = torch.tensor(row_request, dtype=torch.long, device=device)  # [N]
         args = batch_data["logits_processor_args"].index_select(1, columns)  # [T, N]
         scores = self.sampler.scores(logits, batch_data["input_ids"][0, indices], args)  # [N, V]

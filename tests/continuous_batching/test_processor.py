@@ -82,3 +82,13 @@ def test_32_requests_with_small_token_budget_and_cache(target, method):
     )
     assert spec_out == plain
     assert spec.last_stats.num_draft_tokens > 0
+
+
+def test_long_prompts_prefill_in_chunks_and_the_draft_catches_up_in_chunks(target):
+    """Prompts longer than the batch (32 tokens): the target prefills in chunks, the draft catches up in chunks."""
+    draft = make_model("llama", seed=1, layers=1, hidden=32)
+    spec = hf_specdec.SpecDecoder(draft_model=draft, num_speculative_tokens=3)
+    inputs = prompts(3, seed=4, min_len=70, max_len=100)
+    plain, spec_out = plain_and_spec(target, inputs, spec, greedy_config(max_new_tokens=12), max_batch_tokens=32)
+    assert spec_out == plain
+    assert spec.last_stats.num_draft_tokens > 0
