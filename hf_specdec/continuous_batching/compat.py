@@ -51,7 +51,7 @@ __all__ = [
     "check_transformers_version",
     "continuous_api",
     "new_draft_ios",
-    "sliding_window_layers",
+    "new_tokens_left",
 ]
 
 #: The first transformers release whose continuous batching this package speculates in.
@@ -70,9 +70,9 @@ def check_transformers_version(found: str | None = None) -> None:
         )
 
 
-def sliding_window_layers(cache: PagedAttentionCache) -> list[str]:
-    """The cache's attention groups that keep a ring of the window's size (drafts would overwrite live slots)."""
-    return [name for name in cache.cache_allocators if name != "full_attention"]
+def new_tokens_left(state: RequestState) -> int:
+    """Tokens the request may still generate (`RequestState._new_tokens_limit`, a huge int without a limit)."""
+    return state._new_tokens_limit - state.generated_len()
 
 
 def new_draft_ios(

@@ -25,6 +25,7 @@ from hf_specdec.continuous_batching.compat import (
     FutureRequestState,
     RequestState,
     RequestStatus,
+    new_tokens_left,
 )
 from hf_specdec.continuous_batching.proposers import CBProposer, Drafts
 from hf_specdec.continuous_batching.sampling import RowSampler
@@ -80,7 +81,7 @@ class SpecBatchProcessor(ContinuousBatchProcessor):
     def _budget(self, state: RequestState) -> int:
         """The most drafts `state` may get this step: its own k, what max_new_tokens and positions leave."""
         k = self.schedule.budget(state.request_id)
-        left = state._new_tokens_limit - state.generated_len() - 1  # the verify emits one token more than it keeps
+        left = new_tokens_left(state) - 1  # the verify emits one token more than the drafts it keeps
         room = self.max_positions - state.position_offset - 1  # positions P .. P + k must exist
         return max(0, min(k, left, room))
 
