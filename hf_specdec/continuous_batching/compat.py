@@ -51,27 +51,28 @@ __all__ = [
     "check_transformers_version",
     "continuous_api",
     "new_draft_ios",
-    "sliding_window_layers",
+    "new_tokens_left",
 ]
 
 #: The first transformers release whose continuous batching this package speculates in.
 MIN_TRANSFORMERS = "5.24.0"
 
 
-def check_transformers_version() -> None:
-    """Refuse transformers releases whose continuous-batching internals differ from the ones this package subclasses."""
-    found = version.parse(transformers.__version__)
-    if found.release < version.parse(MIN_TRANSFORMERS).release:
+def check_transformers_version(found: str | None = None) -> None:
+    """Refuse transformers releases (`found`, default the installed one) whose continuous-batching internals differ
+    from the ones this package subclasses."""
+    found = transformers.__version__ if found is None else found
+    if version.parse(found).release < version.parse(MIN_TRANSFORMERS).release:
         raise RuntimeError(
-            f"Speculative continuous batching needs transformers >= {MIN_TRANSFORMERS}, found {transformers.__version__}"
+            f"Speculative continuous batching needs transformers >= {MIN_TRANSFORMERS}, found {found}"
             " (its paged cache and scheduler differ before 5.24): `pip install -U 'transformers>=5.24'`, or use "
             "`model.generate(..., spec_decoder=spec)` without continuous batching."
         )
 
 
-def sliding_window_layers(cache: PagedAttentionCache) -> list[str]:
-    """The cache's attention groups that keep a ring of the window's size (drafts would overwrite live slots)."""
-    return [name for name in cache.cache_allocators if name != "full_attention"]
+def new_tokens_left(state: RequestState) -> int:
+    """Tokens the request may still generate (`RequestState._new_tokens_limit`, a huge int without a limit)."""
+    return state._new_tokens_limit - state.generated_len()
 
 
 def new_draft_ios(

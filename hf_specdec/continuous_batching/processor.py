@@ -25,6 +25,7 @@ from hf_specdec.continuous_batching.compat import (
     FutureRequestState,
     RequestState,
     RequestStatus,
+    new_tokens_left,
 )
 from hf_specdec.continuous_batching.proposers import CBProposer, Drafts
 from hf_specdec.continuous_batching.sampling import RowSampler
@@ -80,7 +81,7 @@ class SpecBatchProcessor(ContinuousBatchProcessor):
     def _budget(self, state: RequestState) -> int:
         """The most drafts `state` may get this step: its own k, what max_new_tokens and positions leave."""
         k = self.schedule.budget(state.request_id)
-        left = state._new_tokens_limit - state.generated_len() - 1  # the verify emits one token more than it keeps
+        left = new_tokens_left(state) - 1  # the verify emits one token more than the drafts it keeps
         room = self.max_positions - state.position_offset - 1  # positions P .. P + k must exist
         return max(0, min(k, left, room))
 
@@ -145,15 +146,16 @@ class SpecBatchProcessor(ContinuousBatchProcessor):
             row_request.extend([len(verifying)] * (n + 1))
             verifying.append((future.state, drafts))
         self._emitted = []
-        if not verifying:
-            return
-        indices = torch.tensor(rows, dtype=torch.long, device=device)  # [N]
+        # A batch of prefill chunks only still runs: the forward writes their KV (one row kept, then dropped)
+        indices = torch.tensor(rows or [end - 1], dtype=torch.long, device=device)  # [N]
         batch_data["logits_indices"] = indices
         if self._logits_to_keep_supported(model):
             batch_data["logits_to_keep"] = indices
             logits = model(**batch_data).logits[0]  # [N, V]
         else:
             logits = model(**batch_data).logits[0, indices]  # [N, V]
+        if not verifying:
+            return
         columns = torch.tensor(row_request, dtype=torch.long, device=device)  # [N]
         args = batch_data["logits_processor_args"].index_select(1, columns)  # [T, N]
         scores = self.sampler.scores(logits, batch_data["input_ids"][0, indices], args)  # [N, V]

@@ -121,3 +121,11 @@ def test_custom_generate_with_paged_cache_speculates_in_continuous_batching(targ
                                          continuous_batching_config=cb_config()))  # fmt: skip
     assert out[0, 0].tolist() == PROMPTS[1] + plain["req_0"]
     assert spec.last_stats is not None
+
+
+def test_older_transformers_are_refused():
+    from hf_specdec.continuous_batching.compat import check_transformers_version
+
+    check_transformers_version("5.24.0")
+    with pytest.raises(RuntimeError, match=r"transformers >= 5\.24.*found 5\.17\.0"):
+        check_transformers_version("5.17.0")

@@ -71,14 +71,27 @@ def test_draft_model_equals_plain(target):
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_32_requests_with_small_token_budget_and_cache(target, method):
-    """32 requests on a batch of 48 tokens and a cache of 24 blocks: drafts shrink to fit, outputs stay plain's."""
+    """32 requests on a batch of 48 tokens and a cache of 24 (12) blocks: drafts shrink to fit, requests are
+    soft-reset by transformers' offloading when the cache is full (the draft then drops their KV), outputs stay
+    plain's."""
     draft = make_model("llama", seed=1, layers=1, hidden=32) if method == "draft" else None
     spec = hf_specdec.SpecDecoder(
         method=method, draft_model=draft, num_speculative_tokens=6, num_speculative_tokens_schedule="constant"
     )
     inputs = prompts(32, seed=3, max_len=24)
+    blocks = 24 if method == "ngram" else 12
     plain, spec_out = plain_and_spec(
-        target, inputs, spec, greedy_config(max_new_tokens=16), max_batch_tokens=48, num_blocks=24
+        target, inputs, spec, greedy_config(max_new_tokens=16), max_batch_tokens=48, num_blocks=blocks
     )
+    assert spec_out == plain
+    assert spec.last_stats.num_draft_tokens > 0
+
+
+def test_long_prompts_prefill_in_chunks_and_the_draft_catches_up_in_chunks(target):
+    """Prompts longer than the batch (32 tokens): the target prefills in chunks, the draft catches up in chunks."""
+    draft = make_model("llama", seed=1, layers=1, hidden=32)
+    spec = hf_specdec.SpecDecoder(draft_model=draft, num_speculative_tokens=3)
+    inputs = prompts(3, seed=4, min_len=70, max_len=100)
+    plain, spec_out = plain_and_spec(target, inputs, spec, greedy_config(max_new_tokens=12), max_batch_tokens=32)
     assert spec_out == plain
     assert spec.last_stats.num_draft_tokens > 0
