@@ -28,6 +28,9 @@ class VerifyCapture:
         keep_last_hidden (`bool`): Keep the decoder's output (after its final norm).
         cache_layers (`list[int]`): Cache layers whose keys and values to keep as the forward left them (before
             the loop rolls the cache back).
+        keep_inputs (`bool`): Keep the forward's masks and cache object. A drafter that reads only layer outputs
+            (EAGLE-3) passes False, so that no reference to a forward's mask or cache outlives its step (captured
+            steps: `hf_specdec.graph_reuse` adopts only state every call has between steps).
     """
 
     def __init__(
@@ -36,8 +39,10 @@ class VerifyCapture:
         layer_ids: list[int] = (),
         keep_last_hidden: bool = True,
         cache_layers: list[int] = (),
+        keep_inputs: bool = True,
     ) -> None:
         self.decoder = target.get_decoder()
+        self.keep_inputs = keep_inputs
         self.layer_ids = list(layer_ids)
         self.keep_last_hidden = keep_last_hidden
         self.attention_mask: Any = None  # dict of [B, 1, w, W] masks (bool or additive), a tensor, or None
@@ -76,8 +81,9 @@ class VerifyCapture:
     def _before(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         if not self._mine():
             return
-        self.attention_mask = kwargs.get("attention_mask")
-        self.cache = compat.get_cache(kwargs)
+        if self.keep_inputs:
+            self.attention_mask = kwargs.get("attention_mask")
+            self.cache = compat.get_cache(kwargs)
         fed = kwargs.get("input_ids")
         if fed is None:
             fed = kwargs.get("inputs_embeds")
