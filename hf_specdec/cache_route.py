@@ -32,13 +32,11 @@ DEFAULT_STATIC_ENV = "HF_SPECDEC_DEFAULT_STATIC"
 
 #: Methods whose whole step can be captured on the static path (others run eagerly there, so the default keeps them
 #: on the dynamic path).
-CAPTURABLE_METHODS = ("draft", "ngram", "mtp")
+CAPTURABLE_METHODS = ("draft", "ngram", "mtp", "eagle3")
 
 #: Why each other method's steps are not captured (what a capture would need: a static-cache port of its state).
 UNCAPTURED_METHODS = {
     "early_exit": "the early-exit draft keeps a dynamic cache of its layers, fed per step a width read on the host",
-    "eagle3": "the EAGLE-3 head keeps a dynamic cache, fed per step the target states of the committed tokens (a "
-    "width read on the host)",
     "dflash": "the DFlash drafter keeps a dynamic cache, fed per step the target states of the committed tokens (a "
     "width read on the host)",
     "gemma4_assistant": "the Gemma 4 assistant attends to the target's own dynamic cache, whose masks it builds over "
@@ -143,7 +141,6 @@ STATIC_UNSUPPORTED_METHODS = {
     "early_exit": "early-exit drafts",
     "gemma4_assistant": "Gemma 4 assistants",
     "dflash": "DFlash drafters",
-    "eagle3": "EAGLE-3 draft heads",
 }
 
 
@@ -166,7 +163,8 @@ def static_plan(
     if unsupported:
         raise NotImplementedError(
             f"cache_implementation='static' does not support {unsupported} in hf_specdec yet (it covers decoder-only "
-            "targets with a draft model, prompt lookup or MTP): drop cache_implementation='static'."
+            "targets with a draft model, prompt lookup, MTP or an EAGLE-3 head): drop "
+            "cache_implementation='static'."
         )
     k = spec.max_speculative_tokens
     # Room for every token, one verify's slots, and holes that lagging rows leave between two compactions.
@@ -176,7 +174,7 @@ def static_plan(
     def compiled_for(m: PreTrainedModel) -> Callable | None:
         if not compile_forwards:  # the default route: eager forwards, captured with the whole step
             return None
-        if m is model and spec.method == "mtp":  # MTP reads the target's hidden states through a forward hook
+        if m is model and spec.method in ("mtp", "eagle3"):  # they read the target's hidden states through hooks
             return None
         if not isinstance(m, GenerationMixin):  # MTP layers: run layer by layer, never compiled
             return None

@@ -235,4 +235,8 @@ def check_eagle3_target(target: PreTrainedModel, head: object) -> list[int]:
 def from_spec(spec: SpecDecoder, target: PreTrainedModel, context: ProposerContext) -> Eagle3Proposer:
     """`SpecDecoder(draft_head=...)`: an EAGLE-3 head fed the verify's layer states (decoder-only targets)."""
     context.require_decoder_only(spec.method, target)
+    if context.static:  # fixed shapes, capturable (`eagle3_static.py`)
+        from hf_specdec.proposers.eagle3_static import StaticEagle3Proposer
+
+        return StaticEagle3Proposer(target, spec.draft_head, spec.max_speculative_tokens)
     return Eagle3Proposer(target, spec.draft_head, spec.max_speculative_tokens)
