@@ -32,11 +32,10 @@ DEFAULT_STATIC_ENV = "HF_SPECDEC_DEFAULT_STATIC"
 
 #: Methods whose whole step can be captured on the static path (others run eagerly there, so the default keeps them
 #: on the dynamic path).
-CAPTURABLE_METHODS = ("draft", "ngram", "mtp", "eagle3")
+CAPTURABLE_METHODS = ("draft", "ngram", "mtp", "early_exit", "eagle3")
 
 #: Why each other method's steps are not captured (what a capture would need: a static-cache port of its state).
 UNCAPTURED_METHODS = {
-    "early_exit": "the early-exit draft keeps a dynamic cache of its layers, fed per step a width read on the host",
     "dflash": "the DFlash drafter keeps a dynamic cache, fed per step the target states of the committed tokens (a "
     "width read on the host)",
     "gemma4_assistant": "the Gemma 4 assistant attends to the target's own dynamic cache, whose masks it builds over "
@@ -138,7 +137,6 @@ STATIC_LENGTH_BUCKET = 256
 
 #: Drafting methods the static-cache path does not run, as its refusal names them.
 STATIC_UNSUPPORTED_METHODS = {
-    "early_exit": "early-exit drafts",
     "gemma4_assistant": "Gemma 4 assistants",
     "dflash": "DFlash drafters",
 }
@@ -163,7 +161,7 @@ def static_plan(
     if unsupported:
         raise NotImplementedError(
             f"cache_implementation='static' does not support {unsupported} in hf_specdec yet (it covers decoder-only "
-            "targets with a draft model, prompt lookup, MTP or an EAGLE-3 head): drop "
+            "targets with a draft model, prompt lookup, MTP, early exit or an EAGLE-3 head): drop "
             "cache_implementation='static'."
         )
     k = spec.max_speculative_tokens
