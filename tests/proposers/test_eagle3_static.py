@@ -18,7 +18,7 @@ import warnings
 import pytest
 import torch
 from conftest import make_model, make_prompts, record_proposals, spec_generate
-from core.test_emulated_capture import assert_captured_draws_equal_uncaptured
+from core.test_emulated_capture import assert_captured_drafts_equal_uncaptured
 from first_tokens_law import check_first_tokens, exact_joint_law
 from proposers.test_eagle3 import LAYERS, VOCAB, check_drafts, head_weights, save_eagle_layout, save_speculators_layout
 
@@ -136,7 +136,7 @@ def test_captured_sampling_draws_what_the_uncaptured_step_draws(emulated_graphs,
                cache_implementation="static")  # fmt: skip
     spec = dict(draft_head=agreeing_heads["speculators"][0], num_speculative_tokens=3, seed=5)
     inputs = make_prompts(3, vocab=VOCAB, seed=17, repetitive=False)
-    assert_captured_draws_equal_uncaptured(agreeing_target, inputs, spec, gen, monkeypatch)
+    assert_captured_drafts_equal_uncaptured(agreeing_target, inputs, spec, gen, monkeypatch)
 
 
 def test_sampling_on_static_caches_follows_the_target_law(tmp_path, monkeypatch) -> None:

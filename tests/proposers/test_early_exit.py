@@ -119,10 +119,10 @@ def test_the_static_draft_cache_holds_only_the_first_layers():
 
 
 def test_captured_sampling_draws_what_the_uncaptured_step_draws(emulated_graphs, monkeypatch):
-    from core.test_emulated_capture import assert_captured_draws_equal_uncaptured
+    from core.test_emulated_capture import assert_captured_drafts_equal_uncaptured
 
     target = make_model("llama", seed=0, layers=4)
     gen = dict(max_new_tokens=MAX_NEW, do_sample=True, temperature=0.9, top_k=20, eos_token_id=None,
                cache_implementation="static")  # fmt: skip
     spec = dict(method="early_exit", early_exit_layers=2, num_speculative_tokens=3, seed=7)
-    assert_captured_draws_equal_uncaptured(target, make_prompts(3, seed=9), spec, gen, monkeypatch)
+    assert_captured_drafts_equal_uncaptured(target, make_prompts(3, seed=9), spec, gen, monkeypatch)
