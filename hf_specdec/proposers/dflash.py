@@ -119,7 +119,9 @@ class DFlashProposer(TargetStateDrafter):
         self.num_target_layers = target.config.get_text_config().num_hidden_layers
         last = self.num_target_layers - 1  # transformers' hidden_states[-1] is the decoder's normed output
         inner = [i for i in self.layer_ids if i != last]
-        self.capture = VerifyCapture(target, layer_ids=inner, keep_last_hidden=last in self.layer_ids)
+        self.capture = VerifyCapture(
+            target, layer_ids=inner, keep_last_hidden=last in self.layer_ids, keep_inputs=False
+        )
         self.view: DFlashContextView | None = None
         self.context_lengths: torch.Tensor | None = None  # [B] buffer indices [0, n) have entered the context
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # context not yet fed: [B, c, nH], [B, c]
@@ -139,17 +141,9 @@ class DFlashProposer(TargetStateDrafter):
         # One forward drafts the whole block whatever the budgets: draw the widest budget there can be (rows past
         # their own budget draw nothing), known on the host, so proposing reads nothing back from the device.
         k = min(self.num_speculative_tokens, self.block_size - 1) if batch.batch_size else 0
-        if k == 0 or not self.pending:  # step 0: the drafts need the prefill's states
+        hidden = self._block_output(batch) if k else None  # [B, s, H]
+        if hidden is None:  # step 0: the drafts need the prefill's states
             return Proposal.empty(batch.batch_size, batch.device)
-        context = torch.cat([states for states, _ in self.pending], dim=1)  # [B, c, nH]
-        index = torch.cat([index for _, index in self.pending], dim=1)  # [B, c]
-        self.pending = []
-        anchor = batch.lengths - 1  # [B] the newest token
-        mask_id = int(self.drafter.config.mask_token_id)
-        block_ids = torch.full((batch.batch_size, self.block_size), mask_id, dtype=torch.long, device=batch.device)
-        block_ids[:, 0] = batch.last_token_ids()
-        embeds = _plain_embeddings(self.target, block_ids).to(self.drafter.dtype)  # [B, s, H]
-        hidden = self.view.feed(context.to(self.drafter.dtype), index, embeds, anchor)  # [B, s, H]
         head = self.target.get_output_embeddings()
         logits = head(hidden[:, 1 : k + 1].to(head.weight.dtype)).float()  # [B, k, V]
         rows = torch.arange(batch.batch_size, device=batch.device)
@@ -166,9 +160,38 @@ class DFlashProposer(TargetStateDrafter):
         probs = torch.stack(draft_probs, dim=1) if draft_probs else None  # [B, k, V]
         return Proposal(draft_token_ids=draft_ids, num_draft_tokens=budget, draft_probs=probs)
 
+    def _block_output(self, batch: RaggedBatch) -> torch.Tensor | None:  # [B, s, H]
+        """Feed the queued context and read the block at each row's newest token (None before the first commit)."""
+        if not self.pending:
+            return None
+        context = torch.cat([states for states, _ in self.pending], dim=1)  # [B, c, nH]
+        index = torch.cat([index for _, index in self.pending], dim=1)  # [B, c]
+        self.pending = []
+        return self.view.feed(context.to(self.drafter.dtype), index, self._block_embeds(batch), batch.lengths - 1)
+
+    def _block_embeds(self, batch: RaggedBatch) -> torch.Tensor:  # [B, s, H]
+        """The block's inputs: the newest token's embedding, then the mask token's."""
+        mask_id = int(self.drafter.config.mask_token_id)
+        block_ids = torch.full((batch.batch_size, self.block_size), mask_id, dtype=torch.long, device=batch.device)
+        block_ids[:, 0] = batch.last_token_ids()
+        return _plain_embeddings(self.target, block_ids).to(self.drafter.dtype)
+
     def commit(self, batch: RaggedBatch, num_accepted: torch.Tensor) -> None:
         """Queue the target's states of the tokens committed this step but the newest (the next block's anchor)."""
         assert self.context_lengths is not None
+        states = self._verified_states()  # [B, w, nH] fed slot s holds buffer index context_lengths + s
+        start = self.context_lengths
+        num_new = batch.lengths - 1 - start  # [B]
+        width = int(num_new.max().item()) if batch.batch_size else 0
+        if width > 0:
+            slots = torch.arange(width, device=batch.device)  # [c]
+            index = start[:, None] + slots  # [B, c]
+            real = (slots < num_new[:, None]) & (index >= batch.pad_lengths[:, None])
+            self.pending.append((states[:, :width], torch.where(real, index, -1)))
+        self.context_lengths = batch.lengths - 1
+
+    def _verified_states(self) -> torch.Tensor:  # [B, w, nH]
+        """The target's states at `target_layer_ids` in its latest forward (read once: the capture drops them)."""
         capture = self.capture
         if capture.count == self.seen_forwards:
             raise RuntimeError(
@@ -179,16 +202,8 @@ class DFlashProposer(TargetStateDrafter):
         states = [
             capture.last_hidden if i == self.num_target_layers - 1 else capture.layer_outputs[i] for i in self.layer_ids
         ]
-        states = torch.cat(states, dim=-1)  # [B, w, nH] fed slot s holds buffer index context_lengths + s
-        start = self.context_lengths
-        num_new = batch.lengths - 1 - start  # [B]
-        width = int(num_new.max().item()) if batch.batch_size else 0
-        if width > 0:
-            slots = torch.arange(width, device=batch.device)  # [c]
-            index = start[:, None] + slots  # [B, c]
-            real = (slots < num_new[:, None]) & (index >= batch.pad_lengths[:, None])
-            self.pending.append((states[:, :width], torch.where(real, index, -1)))
-        self.context_lengths = batch.lengths - 1
+        capture.forget()  # read once: nothing of the verify's outlives its step
+        return torch.cat(states, dim=-1)
 
     def select_rows(self, keep: torch.Tensor) -> None:
         if self.view is not None:
@@ -245,4 +260,8 @@ def _plain_embeddings(target: PreTrainedModel, token_ids: torch.Tensor) -> torch
 def from_spec(spec: SpecDecoder, target: PreTrainedModel, context: ProposerContext) -> DFlashProposer:
     """`method="dflash"`: a DFlash block drafter fed the target's layer states (decoder-only targets)."""
     context.require_decoder_only(spec.method, target)
+    if context.static:  # fixed shapes, capturable (`dflash_static.py`)
+        from hf_specdec.proposers.dflash_static import StaticDFlashProposer
+
+        return StaticDFlashProposer(target, spec.draft_model, spec.max_speculative_tokens)
     return DFlashProposer(target, spec.draft_model, spec.max_speculative_tokens)

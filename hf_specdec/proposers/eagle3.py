@@ -164,7 +164,7 @@ class Eagle3Proposer(TargetStateDrafter):
             )
         self.seen_forwards = capture.count
         states = torch.cat([capture.layer_outputs[i - 1] for i in self.layer_ids], dim=-1)  # [B, w, 3H]
-        capture.layer_outputs = {}  # read once: later forwards may not keep it alive
+        capture.forget()  # read once: nothing of the verify's outlives its step
         start = self.context_end  # [B]
         num_new = (batch.lengths - start).clamp(min=0)  # [B] tokens start .. lengths - 1
         width = states.shape[1] if batch.batch_size else 0

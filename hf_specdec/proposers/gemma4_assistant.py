@@ -208,4 +208,8 @@ class Gemma4AssistantProposer(TargetStateDrafter):
 def from_spec(spec: SpecDecoder, target: PreTrainedModel, context: ProposerContext) -> Gemma4AssistantProposer:
     """`method="gemma4_assistant"`: a Gemma 4 assistant reading the target's keys and last hidden state (decoder-only targets)."""
     context.require_decoder_only(spec.method, target)
+    if context.static:  # fixed shapes, capturable (`gemma4_assistant_static.py`)
+        from hf_specdec.proposers.gemma4_assistant_static import StaticGemma4AssistantProposer
+
+        return StaticGemma4AssistantProposer(target, spec.draft_model, spec.max_speculative_tokens)
     return Gemma4AssistantProposer(target, spec.draft_model, spec.max_speculative_tokens)

@@ -10,6 +10,7 @@ cache object, its input width and its outputs; they live only while the `generat
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -71,6 +72,11 @@ class VerifyCapture:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self.forget()
+
+    def forget(self) -> None:
+        """Drop what the latest forward left (a proposer read it): no tensor of a step outlives it, so a later call
+        with the same shapes can adopt this call's captured graphs (`hf_specdec.graph_reuse`)."""
         self.attention_mask = self.cache = self.last_hidden = None
         self.layer_outputs, self.kv = {}, {}
 
@@ -130,6 +136,10 @@ class TargetStateDrafter(Proposer):
 
     def attach(self, target: PreTrainedModel) -> None:
         self.capture.attach()
+
+    def calibrate(self, time_verify: Callable[[int], float]) -> None:
+        """The schedule's timing forwards ran the target: what they left is no verify's (and must not outlive them)."""
+        self.capture.forget()
 
     def detach(self) -> None:
         self.capture.detach()

@@ -112,11 +112,12 @@ def test_static_shapes_are_fixed_after_the_prefill(llama, llama_draft, monkeypat
     assert widths == {"target": {5}, "draft": {2, 1}}
 
 
-@pytest.mark.parametrize("method", ["draft", "ngram", "mtp", "early_exit", "eagle3"])
+@pytest.mark.parametrize("method", ["draft", "ngram", "mtp", "early_exit", "eagle3", "dflash", "gemma4_assistant"])
 def test_static_path_syncs_the_host_once_per_step(llama, llama_draft, monkeypatch, method):
     """After step 0, a greedy draft-model step, a prompt-lookup step with the constant schedule (the device
-    matcher), an MTP step (fixed catch-up widths), an early-exit step or an EAGLE-3 step (the context fed at the
-    verify's width) reads the device from the host once (which rows are done).
+    matcher), an MTP step (fixed catch-up widths), an early-exit step, or a step of a drafter fed the target's states
+    (EAGLE-3, DFlash, Gemma 4 assistant: the context fed at the verify's width) reads the device from the host once
+    (which rows are done).
 
     Every host read of a tensor is counted (`item`, `tolist`, `bool`, `int`, `cpu`, `numpy`), except inside the
     CPU reference sampler, which only runs where there is no GPU (on CUDA the Triton kernels run, and read nothing).
@@ -159,6 +160,15 @@ def test_static_path_syncs_the_host_once_per_step(llama, llama_draft, monkeypatc
         spec = hf_specdec.SpecDecoder(method="early_exit", early_exit_layers=1, num_speculative_tokens=3)
     elif method == "eagle3":
         spec = hf_specdec.SpecDecoder(draft_head=random_eagle3_head(llama, [1, 1, 2]), num_speculative_tokens=3)
+    elif method == "dflash":
+        from conftest import make_dflash_drafter
+
+        spec = hf_specdec.SpecDecoder(method="dflash", draft_model=make_dflash_drafter(llama), num_speculative_tokens=3)
+    elif method == "gemma4_assistant":
+        from conftest import make_gemma4, make_gemma4_assistant
+
+        target = make_gemma4()
+        spec = hf_specdec.SpecDecoder(draft_model=make_gemma4_assistant(target, echo=0.7), num_speculative_tokens=3)
     else:
         spec = hf_specdec.SpecDecoder(
             method="ngram", num_speculative_tokens=4, num_speculative_tokens_schedule="constant"
