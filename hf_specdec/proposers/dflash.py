@@ -7,7 +7,8 @@ head: it borrows the target's. Its keys and values over the past are projections
 it reads one block of `block_size` slots: the newest token, then `mask_token_id` placeholders; all slots attend to
 the whole context and to each other, and the target's head turns the placeholders' outputs into up to
 `block_size - 1` drafts in one forward. The hidden states come from the verify the loop runs anyway
-(`VerifyCapture`); rejected positions never enter the drafter's cache.
+(`VerifyCapture`); rejected positions never enter the drafter's cache. On static caches
+`dflash_static.StaticDFlashProposer` feeds context and block in `commit` (capturable steps).
 """
 
 from __future__ import annotations
@@ -260,8 +261,4 @@ def _plain_embeddings(target: PreTrainedModel, token_ids: torch.Tensor) -> torch
 def from_spec(spec: SpecDecoder, target: PreTrainedModel, context: ProposerContext) -> DFlashProposer:
     """`method="dflash"`: a DFlash block drafter fed the target's layer states (decoder-only targets)."""
     context.require_decoder_only(spec.method, target)
-    if context.static:  # fixed shapes, capturable (`dflash_static.py`)
-        from hf_specdec.proposers.dflash_static import StaticDFlashProposer
-
-        return StaticDFlashProposer(target, spec.draft_model, spec.max_speculative_tokens)
     return DFlashProposer(target, spec.draft_model, spec.max_speculative_tokens)

@@ -10,13 +10,20 @@ drafts. No host read, no host state that a replay would not reproduce.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+from transformers import PreTrainedModel
 
 from hf_specdec import compat
 from hf_specdec.batch import RaggedBatch
+from hf_specdec.proposers import ProposerContext, register
 from hf_specdec.proposers.dflash import DFlashProposer
 from hf_specdec.sampling.processors import StepSampling
 from hf_specdec.static_cache import StaticCacheView
+
+if TYPE_CHECKING:
+    from hf_specdec.config import SpecDecoder
 
 __all__ = ["StaticDFlashContextView", "StaticDFlashProposer"]
 
@@ -101,3 +108,10 @@ class StaticDFlashProposer(DFlashProposer):
 
     def select_rows(self, keep: torch.Tensor) -> None:
         raise NotImplementedError("rows never leave a static batch: they stay, masked, until the call ends")
+
+
+@register("dflash", static=True)
+def from_spec(spec: SpecDecoder, target: PreTrainedModel, context: ProposerContext) -> StaticDFlashProposer:
+    """`method="dflash"` on static caches."""
+    context.require_decoder_only(spec.method, target)
+    return StaticDFlashProposer(target, spec.draft_model, spec.max_speculative_tokens)

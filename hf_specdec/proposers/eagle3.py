@@ -6,7 +6,8 @@ the row's second real token on): the head's layer over `[embed(token p) ‖ fc(t
 `aux_layer_ids` (inputs of those decoder layers) come from the verify the loop runs anyway (`VerifyCapture`), so only
 accepted tokens' states ever enter. Each step feeds the new context, whose last slot gives draft 1; draft j + 1 feeds
 draft j with the head's own output; the draft columns are cropped again once the drafts are read. The reduced-vocabulary
-distribution is mapped onto the target's vocabulary (tokens outside the draft vocabulary get q = 0).
+distribution is mapped onto the target's vocabulary (tokens outside the draft vocabulary get q = 0). On static caches
+`eagle3_static.StaticEagle3Proposer` replaces the context queue and the host-read widths (capturable steps).
 """
 
 from __future__ import annotations
@@ -235,8 +236,4 @@ def check_eagle3_target(target: PreTrainedModel, head: object) -> list[int]:
 def from_spec(spec: SpecDecoder, target: PreTrainedModel, context: ProposerContext) -> Eagle3Proposer:
     """`SpecDecoder(draft_head=...)`: an EAGLE-3 head fed the verify's layer states (decoder-only targets)."""
     context.require_decoder_only(spec.method, target)
-    if context.static:  # fixed shapes, capturable (`eagle3_static.py`)
-        from hf_specdec.proposers.eagle3_static import StaticEagle3Proposer
-
-        return StaticEagle3Proposer(target, spec.draft_head, spec.max_speculative_tokens)
     return Eagle3Proposer(target, spec.draft_head, spec.max_speculative_tokens)

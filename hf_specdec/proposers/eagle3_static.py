@@ -10,12 +10,19 @@ consumes), at the verify's own width, and the head's output at each row's newest
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+from transformers import PreTrainedModel
 
 from hf_specdec.batch import RaggedBatch
+from hf_specdec.proposers import ProposerContext, register
 from hf_specdec.proposers.eagle3 import Eagle3Proposer
 from hf_specdec.sampling.processors import StepSampling
 from hf_specdec.static_cache import StaticCacheView
+
+if TYPE_CHECKING:
+    from hf_specdec.config import SpecDecoder
 
 __all__ = ["StaticEagle3ContextView", "StaticEagle3Proposer"]
 
@@ -83,3 +90,10 @@ class StaticEagle3Proposer(Eagle3Proposer):
 
     def select_rows(self, keep: torch.Tensor) -> None:
         raise NotImplementedError("rows never leave a static batch: they stay, masked, until the call ends")
+
+
+@register("eagle3", static=True)
+def from_spec(spec: SpecDecoder, target: PreTrainedModel, context: ProposerContext) -> StaticEagle3Proposer:
+    """`SpecDecoder(draft_head=...)` on static caches."""
+    context.require_decoder_only(spec.method, target)
+    return StaticEagle3Proposer(target, spec.draft_head, spec.max_speculative_tokens)

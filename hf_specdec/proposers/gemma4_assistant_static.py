@@ -10,12 +10,19 @@ recorded kept past `commit` (a later call with the same shapes then adopts the k
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+from transformers import PreTrainedModel
 
 from hf_specdec.batch import RaggedBatch
+from hf_specdec.proposers import ProposerContext, register
 from hf_specdec.proposers.base import Proposal
 from hf_specdec.proposers.gemma4_assistant import Gemma4AssistantProposer
 from hf_specdec.sampling.processors import StepSampling
+
+if TYPE_CHECKING:
+    from hf_specdec.config import SpecDecoder
 
 __all__ = ["StaticGemma4AssistantProposer"]
 
@@ -47,3 +54,10 @@ class StaticGemma4AssistantProposer(Gemma4AssistantProposer):
 
     def select_rows(self, keep: torch.Tensor) -> None:
         raise NotImplementedError("rows never leave a static batch: they stay, masked, until the call ends")
+
+
+@register("gemma4_assistant", static=True)
+def from_spec(spec: SpecDecoder, target: PreTrainedModel, context: ProposerContext) -> StaticGemma4AssistantProposer:
+    """`method="gemma4_assistant"` on static caches."""
+    context.require_decoder_only(spec.method, target)
+    return StaticGemma4AssistantProposer(target, spec.draft_model, spec.max_speculative_tokens)
