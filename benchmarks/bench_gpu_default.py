@@ -12,9 +12,15 @@ that serves many calls). Reported: per-round tokens/s, the minimum and median of
 default's acceptance, drafting share and graph replays, and whether every output equals plain's. `--part first`
 times each route's first call in a fresh process (`python -c`), after the models are built.
 
+`--part eagle3` runs the same routes with an EAGLE-3 head (`synthetic_eagle3.SyntheticEagle3Head`: an 8B Llama head's
+real layer, `fc` and 32k-token `lm_head`, proposing what the synthetic draft proposes at the same alpha) at B = 1 and
+the `--batches`, plus `ours_uncaptured` (the same static steps, `HF_SPECDEC_CAPTURE_STEPS=0`) and `ours_draft` (the
+synthetic draft model on the default path: the same drafts, a draft model's costs).
+
 Run (GPU): `PYTHONPATH=. python benchmarks/bench_gpu_default.py --part batch1 --out b1.json`
-(`--part batched` for B = 32, `--part sampling` for sampled rows at B = 1 and the `--batches`, `--part first` for first
-calls; `--tiny` for a CPU dry run).
+(`--part batched` for B = 32, `--part sampling` for sampled rows at B = 1 and the `--batches`, `--part eagle3` for the
+EAGLE-3 head, `--part first` for first calls; `--tiny` or `--dry-run` for a CPU dry run, which runs the EAGLE-3 head's
+"default" routes on static caches: on the CPU the default is the dynamic path).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import transformers
 
 import hf_specdec
 from benchmarks import bench_gpu_e2e as e2e
+from benchmarks.synthetic_eagle3 import build_synthetic_head
 from hf_specdec import graph_reuse, model_guard
 from hf_specdec.sampling.rejection import SAMPLER_ENV
 
@@ -43,21 +50,26 @@ def sync() -> None:
     e2e.sync()
 
 
-def setup(batches: list[int], n_new: int, prompt_len: int) -> tuple:
+def setup(batches: list[int], n_new: int, prompt_len: int, head: bool = False) -> tuple:
+    """The target, the synthetic draft (and with `head`, the synthetic EAGLE-3 head), and prompts per batch size."""
     target = e2e.build(e2e.TARGET_SHAPE, seed=0)
     e2e.make_decisive(target)
     draft = e2e.build(e2e.DRAFT_SHAPE, seed=1, cls=e2e.SyntheticDraft)
     all_inputs = {b: e2e.prompts(b, prompt_len, ragged=b > 1) for b in batches}
     e2e.teach_synthetic_draft(target, draft, all_inputs.values(), n_new)
+    if head:
+        return target, draft, all_inputs, build_synthetic_head(target, draft.next_token)
     return target, draft, all_inputs
 
 
 def run_setting(name: str, target, draft, inputs, alpha: float, n_new: int, rounds: int,  # noqa: ANN001
-                sample: bool = False, method: str = "draft") -> dict:  # fmt: skip
+                sample: bool = False, method: str = "draft", head=None) -> dict:  # noqa: ANN001  # fmt: skip
     """Interleaved rounds of every route at one setting (fresh SpecDecoders each round)."""
     # A Python attribute the draft's forward reads: hf_specdec sees the change (kept graphs of the old alpha are not
     # replayed, and the draft's acceptance is learned anew), as it would for a user's model; nothing is reset here.
     draft.alpha = alpha
+    if head is not None:
+        head.alpha = alpha
     batch = inputs["input_ids"].shape[0]
     gen = dict(max_new_tokens=n_new, do_sample=sample)
     if sample:
@@ -70,10 +82,16 @@ def run_setting(name: str, target, draft, inputs, alpha: float, n_new: int, roun
 
     def ours(route: str, seed: int):  # noqa: ANN202
         def call() -> torch.Tensor:
-            drafting = dict(draft_model=draft) if method == "draft" else dict(method="ngram")
+            kind = "draft" if route == "ours_draft" else method
+            drafting = {"draft": dict(draft_model=draft), "ngram": dict(method="ngram"),
+                        "eagle3": dict(draft_head=head)}[kind]  # fmt: skip
             spec = specs[route] = hf_specdec.SpecDecoder(**drafting, num_speculative_tokens=K,
                                                           seed=seed if sample else None)  # fmt: skip
             extra = {"cache_implementation": "dynamic"} if route == "ours_dynamic" else {}
+            if kind == "eagle3" and e2e.DEVICE == "cpu" and route != "ours_dynamic":  # a dry run: the static path
+                extra = {"cache_implementation": "static"}
+            if route == "ours_uncaptured":  # the same static steps, each forward launched from the host
+                os.environ["HF_SPECDEC_CAPTURE_STEPS"] = "0"
             if route == "ours_no_reuse":  # every call warms up and captures its own graphs
                 os.environ[graph_reuse.REUSE_ENV] = "0"
             if route == "ours_torch_sampler":  # draws and rejection sampler in torch ops, not Triton
@@ -84,6 +102,7 @@ def run_setting(name: str, target, draft, inputs, alpha: float, n_new: int, roun
             finally:
                 os.environ.pop(graph_reuse.REUSE_ENV, None)
                 os.environ.pop(SAMPLER_ENV, None)
+                os.environ.pop("HF_SPECDEC_CAPTURE_STEPS", None)
 
         return call
 
@@ -91,13 +110,16 @@ def run_setting(name: str, target, draft, inputs, alpha: float, n_new: int, roun
            "ours_dynamic": ours("ours_dynamic", 2)}  # fmt: skip
     if sample:  # the same sampled call with the sampler's draws and kernels in torch operations
         fns["ours_torch_sampler"] = ours("ours_torch_sampler", 1)
+    if method == "eagle3":  # what capture gives the head, and a draft model proposing the same tokens
+        fns["ours_uncaptured"] = ours("ours_uncaptured", 4)
+        fns["ours_draft"] = ours("ours_draft", 1)
     samples: dict[str, list[float]] = {key: [] for key in fns}
     stats: list[dict] = []
     identical: dict[str, bool] = {}
     with torch.no_grad():
         reference = {key: fn() for key, fn in fns.items()}  # warm-up round (compiles plain static)
         fns["plain_compiled"]()  # its second call compiles again (10x slower in every H100 run)
-        for key in ("ours_default", "ours_no_reuse", "ours_dynamic", "plain_compiled"):
+        for key in [k for k in fns if k.startswith("ours")] + ["plain_compiled"]:
             identical[key] = bool((reference[key] == reference["plain_eager"]).all()) if not sample else None
         for _ in range(rounds):
             for key, fn in fns.items():
@@ -161,6 +183,7 @@ sys.path.insert(0, '.')
 import hf_specdec
 from benchmarks import bench_gpu_default as b
 from benchmarks import bench_gpu_e2e as e2e
+from benchmarks.synthetic_eagle3 import build_synthetic_head
 target, draft, all_inputs = b.setup([{batch}], {n_new}, {prompt_len})
 inputs = all_inputs[{batch}]
 torch.cuda.synchronize()
@@ -207,13 +230,15 @@ def first_calls(batch: int, n_new: int, prompt_len: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=["batch1", "batched", "ngram", "sampling", "first"], default="batch1")
+    parser.add_argument("--part", choices=["batch1", "batched", "ngram", "sampling", "eagle3", "first"],
+                        default="batch1")  # fmt: skip
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--batches", nargs="+", type=int, default=[32])
     parser.add_argument("--out", default=None)
-    parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU: a dry run of the script")
+    parser.add_argument("--tiny", "--dry-run", action="store_true", dest="tiny",
+                        help="tiny shapes on the CPU: a dry run of the script")  # fmt: skip
     args = parser.parse_args()
     if args.tiny:
         e2e.use_tiny_shapes()
@@ -226,9 +251,13 @@ def main() -> None:
         results["first_call_s"] = first_calls(1, n_new, args.prompt_len)
     else:
         batches = [1] if args.part == "batch1" else args.batches
-        if args.part == "sampling":
+        if args.part in ("sampling", "eagle3"):
             batches = [1, *[b for b in args.batches if b != 1]]
-        target, draft, all_inputs = setup(batches, n_new, args.prompt_len)
+        head = None
+        if args.part == "eagle3":
+            target, draft, all_inputs, head = setup(batches, n_new, args.prompt_len, head=True)
+        else:
+            target, draft, all_inputs = setup(batches, n_new, args.prompt_len)
         rows = []
         for b in batches:
             if args.part == "ngram":  # prompt lookup on prompts that hold the answer
@@ -240,9 +269,12 @@ def main() -> None:
             settings = [(0.8, False), (0.0, False), (0.8, True)] if b == 1 else [(0.8, False), (0.0, False)]
             if args.part == "sampling":  # sampled rows only (T = 0.8, top-p 0.9), at B = 1 and the --batches
                 settings = [(0.8, True)]
+            method = "eagle3" if args.part == "eagle3" else "draft"
             for alpha, sample in settings:
                 name = f"B={b} alpha={alpha}{' sampling T=0.8 top-p 0.9' if sample else ' greedy'}"
-                rows.append(run_setting(name, target, draft, all_inputs[b], alpha, n_new, args.rounds, sample))
+                name += " EAGLE-3 head" if head is not None else ""
+                rows.append(run_setting(name, target, draft, all_inputs[b], alpha, n_new, args.rounds, sample,
+                                        method=method, head=head))  # fmt: skip
                 results["rows"] = rows
                 if args.out:  # after each setting, so a run cut short keeps what it measured
                     with open(args.out, "w") as f:

@@ -34,18 +34,15 @@ DEFAULT_STATIC_ENV = "HF_SPECDEC_DEFAULT_STATIC"
 
 #: Methods whose whole step can be captured on the static path (others run eagerly there, so the default keeps them
 #: on the dynamic path).
-CAPTURABLE_METHODS = ("draft", "ngram", "mtp")
+CAPTURABLE_METHODS = ("draft", "ngram", "mtp", "early_exit", "eagle3", "dflash", "gemma4_assistant")
 
-#: Why each other method's steps are not captured (what a capture would need: a static-cache port of its state).
-UNCAPTURED_METHODS = {
-    "early_exit": "the early-exit draft keeps a dynamic cache of its layers, fed per step a width read on the host",
-    "eagle3": "the EAGLE-3 head keeps a dynamic cache, fed per step the target states of the committed tokens (a "
-    "width read on the host)",
-    "dflash": "the DFlash drafter keeps a dynamic cache, fed per step the target states of the committed tokens (a "
-    "width read on the host)",
-    "gemma4_assistant": "the Gemma 4 assistant attends to the target's own dynamic cache, whose masks it builds over "
-    "the growing columns",
-}
+#: Why each other method's steps are not captured (what a capture would need: a static-cache port of its state). Every
+#: method is captured now; a new one that is not names its reason here.
+UNCAPTURED_METHODS: dict[str, str] = {}
+
+#: Methods that read the target's activations through forward hooks: their target's forward is never compiled (the
+#: hooks would not run as written inside compiled code); on a GPU its eager forwards are captured with the step.
+HOOKED_METHODS = ("mtp", "eagle3", "dflash", "gemma4_assistant")
 
 _SAID: set[str] = set()
 
@@ -141,13 +138,8 @@ STATIC_HOLE_ROOM = 16
 STATIC_LENGTH_BUCKET = 256
 
 
-#: Drafting methods the static-cache path does not run, as its refusal names them.
-STATIC_UNSUPPORTED_METHODS = {
-    "early_exit": "early-exit drafts",
-    "gemma4_assistant": "Gemma 4 assistants",
-    "dflash": "DFlash drafters",
-    "eagle3": "EAGLE-3 draft heads",
-}
+#: Drafting methods the static-cache path does not run, as its refusal names them (none now).
+STATIC_UNSUPPORTED_METHODS: dict[str, str] = {}
 
 
 def static_plan(
@@ -169,7 +161,7 @@ def static_plan(
     if unsupported:
         raise NotImplementedError(
             f"cache_implementation='static' does not support {unsupported} in hf_specdec yet (it covers decoder-only "
-            "targets with a draft model, prompt lookup or MTP): drop cache_implementation='static'."
+            "targets whose drafts share their tokenizer): drop cache_implementation='static'."
         )
     k = spec.max_speculative_tokens
     # Room for every token, one verify's slots, and holes that lagging rows leave between two compactions.
@@ -179,7 +171,7 @@ def static_plan(
     def compiled_for(m: PreTrainedModel) -> Callable | None:
         if not compile_forwards:  # the default route: eager forwards, captured with the whole step
             return None
-        if m is model and spec.method == "mtp":  # MTP reads the target's hidden states through a forward hook
+        if m is model and spec.method in HOOKED_METHODS:  # they read its states through hooks: eager
             return None
         if not isinstance(m, GenerationMixin):  # MTP layers: run layer by layer, never compiled
             return None

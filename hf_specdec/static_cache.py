@@ -145,11 +145,16 @@ class StaticCacheView(CacheView):
         """Columns [offset, offset + w) take the slots' buffer indices (-1: a hole), every layer's write offset
         moves there, and the slots' mask over the whole static length is returned (the cache compacts first when
         w more columns might not fit)."""
-        if self.offset_bound + index.shape[1] > self.max_columns:
-            self._make_room(index.shape[1])
-        write = self.offset + torch.arange(index.shape[1], device=index.device)  # [w] the columns written
-        self.column_index.index_copy_(1, write, torch.where(real, index, -1))
-        mask = self._attention_mask(torch.where(valid, index, -1), self.column_index, write)
+        write = self.claim_columns(torch.where(real, index, -1))
+        return self._attention_mask(torch.where(valid, index, -1), self.column_index, write)
+
+    def claim_columns(self, columns: torch.Tensor) -> torch.Tensor:  # [w] the columns written
+        """Columns [offset, offset + w) take `columns` ([B, w]: buffer indices, -1 for holes) and every layer's write
+        offset moves there (the cache compacts first when w more columns might not fit)."""
+        if self.offset_bound + columns.shape[1] > self.max_columns:
+            self._make_room(columns.shape[1])
+        write = self.offset + torch.arange(columns.shape[1], device=columns.device)  # [w]
+        self.column_index.index_copy_(1, write, columns)
         # The write offset of every layer: one fused device copy per device the layers sit on (no host sync; one
         # launch for all layers of a model on one device).
         counters: dict[torch.device, list[torch.Tensor]] = {}
@@ -159,7 +164,7 @@ class StaticCacheView(CacheView):
         offset = PerDevice(self.offset)
         for device, on_device in counters.items():
             torch._foreach_copy_(on_device, [offset.on(device)] * len(on_device))
-        return mask
+        return write
 
     def advance(self, width: int) -> None:
         """After a forward of `width` slots: the next one writes after them."""

@@ -1,7 +1,8 @@
 """Proposers: the ways of drafting tokens, and the registry that builds the one a call names.
 
 Each proposer module registers itself: `@register("method")` on a constructor `(spec, target, context) ->
-Proposer` that runs the method's own checks. `build` finds the constructor of `spec.method`, importing this
+Proposer` that runs the method's own checks (a method's static-cache port, in its own module, registers with
+`static=True` and builds the calls on static caches). `build` finds the constructor of `spec.method`, importing this
 package's modules by name on first use (so this file imports none of them, and no import circle can pass through
 it). Adding a proposer is one new module here plus one test file; see docs/design.md, "Adding a proposer".
 """
@@ -41,18 +42,23 @@ class ProposerContext:
 
 Constructor = Callable[["SpecDecoder", "PreTrainedModel", ProposerContext], "Proposer"]
 
-#: method -> [(when, constructor)]: the first whose `when(spec)` holds (None: always) builds the proposer.
-_REGISTRY: dict[str, list[tuple[Callable[[SpecDecoder], bool] | None, Constructor]]] = {}
+#: method -> [(when, static, constructor)]: the first whose `when(spec)` holds (None: always) builds the proposer;
+#: entries with `static` only for calls on static caches (tried first there).
+_REGISTRY: dict[str, list[tuple[Callable[[SpecDecoder], bool] | None, bool, Constructor]]] = {}
 _discovered = False
 
 
-def register(method: str, when: Callable[[SpecDecoder], bool] | None = None) -> Callable[[Constructor], Constructor]:
+def register(
+    method: str, when: Callable[[SpecDecoder], bool] | None = None, static: bool = False
+) -> Callable[[Constructor], Constructor]:
     """Decorator: `constructor` builds the proposer of `SpecDecoder(method=method)` (only when `when(spec)` holds,
-    if given: constructors with a condition are tried before the method's plain one)."""
+    if given, and with `static` only for calls on static caches: constructors with a condition are tried before the
+    method's plain one)."""
 
     def decorate(constructor: Constructor) -> Constructor:
         entries = _REGISTRY.setdefault(method, [])
-        entries.insert(0 if when is not None else len(entries), (when, constructor))
+        conditional = when is not None or static
+        entries.insert(0 if conditional else len(entries), (when, static, constructor))
         return constructor
 
     return decorate
@@ -70,8 +76,8 @@ def _discover() -> None:
 def build(spec: SpecDecoder, target: PreTrainedModel, context: ProposerContext) -> Proposer:
     """The proposer `spec` describes, built and checked against `target` by its method's registered constructor."""
     _discover()
-    for when, constructor in _REGISTRY.get(spec.method, ()):
-        if when is None or when(spec):
+    for when, static, constructor in _REGISTRY.get(spec.method, ()):
+        if (not static or context.static) and (when is None or when(spec)):
             return constructor(spec, target, context)
     raise ValueError(
         f"No proposer is registered for method={spec.method!r} (registered: {sorted(_REGISTRY)}): a proposer module in "

@@ -7,7 +7,8 @@ head: it borrows the target's. Its keys and values over the past are projections
 it reads one block of `block_size` slots: the newest token, then `mask_token_id` placeholders; all slots attend to
 the whole context and to each other, and the target's head turns the placeholders' outputs into up to
 `block_size - 1` drafts in one forward. The hidden states come from the verify the loop runs anyway
-(`VerifyCapture`); rejected positions never enter the drafter's cache.
+(`VerifyCapture`); rejected positions never enter the drafter's cache. On static caches
+`dflash_static.StaticDFlashProposer` feeds context and block in `commit` (capturable steps).
 """
 
 from __future__ import annotations
@@ -122,7 +123,11 @@ class DFlashProposer(TargetStateDrafter):
         inner = [i for i in self.layer_ids if i != last]
         # the layers' states where the batch is (a target spread over devices computes them on several)
         self.capture = VerifyCapture(
-            target, layer_ids=inner, keep_last_hidden=last in self.layer_ids, device=input_device(target)
+            target,
+            layer_ids=inner,
+            keep_last_hidden=last in self.layer_ids,
+            device=input_device(target),
+            keep_inputs=False,
         )
         self.view: DFlashContextView | None = None
         self.context_lengths: torch.Tensor | None = None  # [B] buffer indices [0, n) have entered the context
@@ -143,17 +148,9 @@ class DFlashProposer(TargetStateDrafter):
         # One forward drafts the whole block whatever the budgets: draw the widest budget there can be (rows past
         # their own budget draw nothing), known on the host, so proposing reads nothing back from the device.
         k = min(self.num_speculative_tokens, self.block_size - 1) if batch.batch_size else 0
-        if k == 0 or not self.pending:  # step 0: the drafts need the prefill's states
+        hidden = self._block_output(batch) if k else None  # [B, s, H]
+        if hidden is None:  # step 0: the drafts need the prefill's states
             return Proposal.empty(batch.batch_size, batch.device)
-        context = torch.cat([states for states, _ in self.pending], dim=1)  # [B, c, nH]
-        index = torch.cat([index for _, index in self.pending], dim=1)  # [B, c]
-        self.pending = []
-        anchor = batch.lengths - 1  # [B] the newest token
-        mask_id = int(self.drafter.config.mask_token_id)
-        block_ids = torch.full((batch.batch_size, self.block_size), mask_id, dtype=torch.long, device=batch.device)
-        block_ids[:, 0] = batch.last_token_ids()
-        embeds = _plain_embeddings(self.target, block_ids).to(batch.device, self.drafter.dtype)  # [B, s, H]
-        hidden = self.view.feed(context.to(self.drafter.dtype), index, embeds, anchor)  # [B, s, H]
         head = self.target.get_output_embeddings()  # the target's head: its last device, if spread
         logits = head(hidden[:, 1 : k + 1].to(module_device(head), head.weight.dtype))
         logits = logits.to(batch.device, torch.float32)  # [B, k, V]
@@ -171,9 +168,38 @@ class DFlashProposer(TargetStateDrafter):
         probs = torch.stack(draft_probs, dim=1) if draft_probs else None  # [B, k, V]
         return Proposal(draft_token_ids=draft_ids, num_draft_tokens=budget, draft_probs=probs)
 
+    def _block_output(self, batch: RaggedBatch) -> torch.Tensor | None:  # [B, s, H]
+        """Feed the queued context and read the block at each row's newest token (None before the first commit)."""
+        if not self.pending:
+            return None
+        context = torch.cat([states for states, _ in self.pending], dim=1)  # [B, c, nH]
+        index = torch.cat([index for _, index in self.pending], dim=1)  # [B, c]
+        self.pending = []
+        return self.view.feed(context.to(self.drafter.dtype), index, self._block_embeds(batch), batch.lengths - 1)
+
+    def _block_embeds(self, batch: RaggedBatch) -> torch.Tensor:  # [B, s, H]
+        """The block's inputs: the newest token's embedding, then the mask token's."""
+        mask_id = int(self.drafter.config.mask_token_id)
+        block_ids = torch.full((batch.batch_size, self.block_size), mask_id, dtype=torch.long, device=batch.device)
+        block_ids[:, 0] = batch.last_token_ids()
+        return _plain_embeddings(self.target, block_ids).to(batch.device, self.drafter.dtype)
+
     def commit(self, batch: RaggedBatch, num_accepted: torch.Tensor) -> None:
         """Queue the target's states of the tokens committed this step but the newest (the next block's anchor)."""
         assert self.context_lengths is not None
+        states = self._verified_states()  # [B, w, nH] fed slot s holds buffer index context_lengths + s
+        start = self.context_lengths
+        num_new = batch.lengths - 1 - start  # [B]
+        width = int(num_new.max().item()) if batch.batch_size else 0
+        if width > 0:
+            slots = torch.arange(width, device=batch.device)  # [c]
+            index = start[:, None] + slots  # [B, c]
+            real = (slots < num_new[:, None]) & (index >= batch.pad_lengths[:, None])
+            self.pending.append((states[:, :width], torch.where(real, index, -1)))
+        self.context_lengths = batch.lengths - 1
+
+    def _verified_states(self) -> torch.Tensor:  # [B, w, nH]
+        """The target's states at `target_layer_ids` in its latest forward (read once: the capture drops them)."""
         capture = self.capture
         if capture.count == self.seen_forwards:
             raise RuntimeError(
@@ -184,16 +210,8 @@ class DFlashProposer(TargetStateDrafter):
         states = [
             capture.last_hidden if i == self.num_target_layers - 1 else capture.layer_outputs[i] for i in self.layer_ids
         ]
-        states = torch.cat(states, dim=-1)  # [B, w, nH] fed slot s holds buffer index context_lengths + s
-        start = self.context_lengths
-        num_new = batch.lengths - 1 - start  # [B]
-        width = int(num_new.max().item()) if batch.batch_size else 0
-        if width > 0:
-            slots = torch.arange(width, device=batch.device)  # [c]
-            index = start[:, None] + slots  # [B, c]
-            real = (slots < num_new[:, None]) & (index >= batch.pad_lengths[:, None])
-            self.pending.append((states[:, :width], torch.where(real, index, -1)))
-        self.context_lengths = batch.lengths - 1
+        capture.forget()  # read once: nothing of the verify's outlives its step
+        return torch.cat(states, dim=-1)
 
     def select_rows(self, keep: torch.Tensor) -> None:
         if self.view is not None:

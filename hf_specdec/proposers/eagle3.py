@@ -6,7 +6,8 @@ the row's second real token on): the head's layer over `[embed(token p) ‖ fc(t
 `aux_layer_ids` (inputs of those decoder layers) come from the verify the loop runs anyway (`VerifyCapture`), so only
 accepted tokens' states ever enter. Each step feeds the new context, whose last slot gives draft 1; draft j + 1 feeds
 draft j with the head's own output; the draft columns are cropped again once the drafts are read. The reduced-vocabulary
-distribution is mapped onto the target's vocabulary (tokens outside the draft vocabulary get q = 0).
+distribution is mapped onto the target's vocabulary (tokens outside the draft vocabulary get q = 0). On static caches
+`eagle3_static.StaticEagle3Proposer` replaces the context queue and the host-read widths (capturable steps).
 """
 
 from __future__ import annotations
@@ -70,7 +71,11 @@ class Eagle3Proposer(TargetStateDrafter):
         # The input of decoder layer i is the output of layer i - 1.
         # the layers' states on the head's device (a target spread over devices computes them on several)
         self.capture = VerifyCapture(
-            target, layer_ids=[i - 1 for i in self.layer_ids], keep_last_hidden=False, device=head.device
+            target,
+            layer_ids=[i - 1 for i in self.layer_ids],
+            keep_last_hidden=False,
+            device=head.device,
+            keep_inputs=False,
         )
         self.embeddings = head.embed_tokens if head.embed_tokens is not None else target.get_input_embeddings()
         self.vocab_size = int(target.get_output_embeddings().weight.shape[0])
@@ -93,16 +98,11 @@ class Eagle3Proposer(TargetStateDrafter):
         self, batch: RaggedBatch, max_draft_tokens: torch.Tensor, sampling: StepSampling, width: int | None = None
     ) -> Proposal:
         assert self.view is not None, "prefill() must run before propose()"
-        k = widest(max_draft_tokens, width)  # head forwards this step
-        if k == 0 or not self.pending:  # step 0: the first draft needs the prefill's states
+        k = self._draft_width(max_draft_tokens, width)  # head forwards this step
+        hidden = self._newest_output(batch) if k else None  # [B, H]
+        if hidden is None:  # step 0: the first draft needs the prefill's states
             return Proposal.empty(batch.batch_size, batch.device)
-        hidden = torch.cat([states for states, _ in self.pending], dim=1)  # [B, c, H]
-        index = torch.cat([index for _, index in self.pending], dim=1)  # [B, c]
-        self.pending = []
-        tokens = batch.token_ids.gather(1, index.clamp(min=0))  # [B, c]
-        out = self.view.feed(self._embed(tokens), hidden, index)  # [B, c, H]
         rows = torch.arange(batch.batch_size, device=batch.device)
-        hidden = out[rows, index.argmax(dim=1)]  # [B, H] the newest token's slot (the largest index)
         draft_ids = torch.full((batch.batch_size, k), -1, dtype=torch.long, device=batch.device)  # [B, k]
         draft_probs: list[torch.Tensor] = []
         for j in range(k):
@@ -123,6 +123,22 @@ class Eagle3Proposer(TargetStateDrafter):
         probs = torch.stack(draft_probs, dim=1) if draft_probs else None  # [B, k, V]
         return Proposal(draft_token_ids=draft_ids, num_draft_tokens=max_draft_tokens.clamp(max=k), draft_probs=probs)
 
+    def _draft_width(self, max_draft_tokens: torch.Tensor, width: int | None) -> int:
+        """Draft positions (head forwards) this step: the widest budget (a host read unless the caller knows it)."""
+        return widest(max_draft_tokens, width)
+
+    def _newest_output(self, batch: RaggedBatch) -> torch.Tensor | None:  # [B, H]
+        """Feed the queued context; the head's output at each row's newest token (None before the first commit)."""
+        if not self.pending:
+            return None
+        hidden = torch.cat([states for states, _ in self.pending], dim=1)  # [B, c, H]
+        index = torch.cat([index for _, index in self.pending], dim=1)  # [B, c]
+        self.pending = []
+        tokens = batch.token_ids.gather(1, index.clamp(min=0))  # [B, c]
+        out = self.view.feed(self._embed(tokens), hidden, index)  # [B, c, H]
+        rows = torch.arange(batch.batch_size, device=batch.device)
+        return out[rows, index.argmax(dim=1)]  # [B, H] the newest token's slot (the largest index)
+
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:  # [B, s, H] in the head's dtype
         # where the embedding computes (its weight may be on `meta`: offloaded, loaded by accelerate's hook)
         embeds = self.embeddings(tokens.to(module_device(self.embeddings)))
@@ -139,6 +155,16 @@ class Eagle3Proposer(TargetStateDrafter):
     def commit(self, batch: RaggedBatch, num_accepted: torch.Tensor) -> None:
         """Queue the context columns of the tokens committed this step: token p with the target's states at p - 1."""
         assert self.context_end is not None and self.verify_start is not None
+        hidden, index = self._new_context(batch)  # [B, c, H], [B, c]
+        if hidden is not None:
+            self.pending.append((hidden, index))
+        self.context_end = torch.maximum(self.context_end, batch.lengths)
+        self.verify_start = batch.lengths - 1  # the next verify feeds from the newest token
+
+    def _new_context(self, batch: RaggedBatch) -> tuple[torch.Tensor | None, torch.Tensor]:  # [B, c, H], [B, c]
+        """The context columns of the tokens committed by the latest verify: `fc` of the target's states at p - 1 for
+        token p in `context_end .. lengths - 1`, and each slot's buffer index (-1 where a row has fewer tokens). The
+        verify's width bounds them (no host read); None when it fed nothing."""
         capture = self.capture
         if capture.count == self.seen_forwards:
             raise RuntimeError(
@@ -147,20 +173,18 @@ class Eagle3Proposer(TargetStateDrafter):
             )
         self.seen_forwards = capture.count
         states = torch.cat([capture.layer_outputs[i - 1] for i in self.layer_ids], dim=-1)  # [B, w, 3H]
+        capture.forget()  # read once: nothing of the verify's outlives its step
         start = self.context_end  # [B]
         num_new = (batch.lengths - start).clamp(min=0)  # [B] tokens start .. lengths - 1
-        # Every new token's state is among the verify's slots: that width bounds them (no host read); a row with
-        # fewer new tokens queues masked slots (index -1).
         width = states.shape[1] if batch.batch_size else 0
-        if width > 0:
-            slots = torch.arange(width, device=batch.device)  # [c]
-            index = start[:, None] + slots  # [B, c] buffer index of each new column's token
-            state_slot = (index - 1 - self.verify_start[:, None]).clamp(0, states.shape[1] - 1)  # [B, c]
-            picked = states.gather(1, state_slot[:, :, None].expand(-1, -1, states.shape[-1]))  # [B, c, 3H]
-            hidden = self.head.fc(picked.to(self.head.dtype))  # [B, c, H]
-            self.pending.append((hidden, torch.where(slots < num_new[:, None], index, -1)))
-        self.context_end = torch.maximum(start, batch.lengths)
-        self.verify_start = batch.lengths - 1  # the next verify feeds from the newest token
+        slots = torch.arange(width, device=batch.device)  # [c]
+        index = start[:, None] + slots  # [B, c] buffer index of each new column's token
+        if width == 0:
+            return None, index
+        state_slot = (index - 1 - self.verify_start[:, None]).clamp(0, width - 1)  # [B, c]
+        picked = states.gather(1, state_slot[:, :, None].expand(-1, -1, states.shape[-1]))  # [B, c, 3H]
+        hidden = self.head.fc(picked.to(self.head.dtype))  # [B, c, H]
+        return hidden, torch.where(slots < num_new[:, None], index, -1)
 
     def select_rows(self, keep: torch.Tensor) -> None:
         if self.view is not None:

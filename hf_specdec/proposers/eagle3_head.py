@@ -110,7 +110,8 @@ class Eagle3Head(nn.Module):
         hidden: torch.Tensor,  # [B, s, H] fc(target states) for context slots, the head's own output for drafts
         attention_mask: torch.Tensor | None,  # [B, 1, s, W + s] bool (sdpa) or additive (eager), or None: causal
         position_ids: torch.Tensor,  # [B, s]
-        cache: Any = None,  # a DynamicCache with one layer, or None
+        cache: Any = None,  # a DynamicCache or StaticCache with one layer, or None
+        **attention_kwargs: Any,  # passed to the attention function (hf_specdec's grouped attention on static caches)
     ) -> torch.Tensor:  # [B, s, H] the layer's output (before `norm`)
         layer = self.midlayer
         normed = layer.hidden_norm(hidden)
@@ -119,7 +120,11 @@ class Eagle3Head(nn.Module):
         position_embeddings = self.rotary_emb(states, position_ids)
         kwargs = {} if cache is None else compat.cache_kwargs(layer.self_attn, cache)
         attended, _ = layer.self_attn(
-            hidden_states=states, position_embeddings=position_embeddings, attention_mask=attention_mask, **kwargs
+            hidden_states=states,
+            position_embeddings=position_embeddings,
+            attention_mask=attention_mask,
+            **kwargs,
+            **attention_kwargs,
         )
         hidden = residual + attended
         return hidden + layer.mlp(layer.post_attention_layernorm(hidden))

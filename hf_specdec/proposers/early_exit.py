@@ -6,7 +6,9 @@ the target with `config.num_hidden_layers` set to N for the duration of the call
 N-layer `DynamicCache` through a `CacheView`, exactly as `DraftModelProposer` does for a separate draft. A
 separate cache costs the draft's prefill over N layers but keeps the two caches independent: the target's
 verify and rollback never depend on what the draft has seen, so exactness needs no new argument (see
-docs/design.md "Early exit" for why we do not share the first N layers' KV as the LayerSkip paper does).
+docs/design.md "Early exit" for why we do not share the first N layers' KV as the LayerSkip paper does). On static
+caches the draft's cache is an N-layer `StaticCache` (`_StaticEarlyExitView`) and its steps are captured like a draft
+model's; its forwards stay eager (a compiled forward would guard on, and recompile for, the truncated config).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from hf_specdec.cache import CacheView
 from hf_specdec.placement import input_device
 from hf_specdec.proposers import ProposerContext, register
 from hf_specdec.proposers.draft_model import DraftModelProposer, confidence_threshold
+from hf_specdec.static_cache import StaticCacheView, StaticPlan
 
 if TYPE_CHECKING:
     from hf_specdec.config import SpecDecoder
@@ -93,6 +96,22 @@ class _EarlyExitView(CacheView):
         return logits
 
 
+class _StaticEarlyExitView(StaticCacheView):
+    """A `StaticCacheView` over the model's first `num_layers` layers: an N-layer static cache, truncated forwards."""
+
+    def __init__(
+        self, model: PreTrainedModel, batch_size: int, pad_lengths: torch.Tensor, plan: StaticPlan, num_layers: int
+    ) -> None:
+        super().__init__(model, batch_size, pad_lengths, plan)
+        self.num_layers = num_layers
+        self.cache.layers = self.cache.layers[:num_layers]  # the draft never writes the others
+        self.compiled_call = None  # eager (captured with the step on a GPU): compiled code would guard on the config
+
+    def forward(self, token_ids, num_new, logits_to_keep=None, width=None):  # noqa: ANN001, ANN201
+        with truncated(self.model, self.num_layers):
+            return super().forward(token_ids, num_new, logits_to_keep, width)
+
+
 class EarlyExitProposer(DraftModelProposer):
     """The target's first `num_layers` layers and its head draft k tokens per row; batched, own N-layer cache."""
 
@@ -102,6 +121,10 @@ class EarlyExitProposer(DraftModelProposer):
         self.num_layers = num_layers
 
     def new_view(self, batch: RaggedBatch) -> CacheView:
+        if self.static is not None:
+            return _StaticEarlyExitView(
+                self.draft_model, batch.batch_size, batch.pad_lengths, self.static, self.num_layers
+            )
         return _EarlyExitView(self.draft_model, batch.batch_size, batch.pad_lengths, self.num_layers)
 
 

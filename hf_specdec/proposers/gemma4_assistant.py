@@ -6,7 +6,8 @@ position of the row's newest token, which cross-attends to the target's own keys
 last non-shared layer of each attention type, "full" and "sliding"), over the tokens before the newest one. Its
 input is the target's embedding of the newest token next to the target's last hidden state at the token before
 (the one that predicted it); later steps feed the drafted token and the assistant's own projected state, at the
-same position. The keys, values and hidden state come from the verify the loop runs anyway (`VerifyCapture`).
+same position. The keys, values and hidden state come from the verify the loop runs anyway (`VerifyCapture`). On
+static caches `gemma4_assistant_static.StaticGemma4AssistantProposer` drafts k steps (capturable steps).
 """
 
 from __future__ import annotations

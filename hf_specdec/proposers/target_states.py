@@ -10,6 +10,7 @@ cache object, its input width and its outputs; they live only while the `generat
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,6 +31,9 @@ class VerifyCapture:
             the loop rolls the cache back).
         device (`torch.device`, *optional*): Where to keep the hidden states (a target spread over devices computes
             its layers on several: the drafter reads them on the batch's device). Keys and values stay where they are.
+        keep_inputs (`bool`): Keep the forward's masks and cache object. A drafter that reads only layer outputs
+            (EAGLE-3) passes False, so that no reference to a forward's mask or cache outlives its step (captured
+            steps: `hf_specdec.graph_reuse` adopts only state every call has between steps).
     """
 
     def __init__(
@@ -39,9 +43,11 @@ class VerifyCapture:
         keep_last_hidden: bool = True,
         cache_layers: list[int] = (),
         device: torch.device | None = None,
+        keep_inputs: bool = True,
     ) -> None:
         self.decoder = target.get_decoder()
         self.device = device
+        self.keep_inputs = keep_inputs
         self.layer_ids = list(layer_ids)
         self.keep_last_hidden = keep_last_hidden
         self.attention_mask: Any = None  # dict of [B, 1, w, W] masks (bool or additive), a tensor, or None
@@ -70,6 +76,11 @@ class VerifyCapture:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self.forget()
+
+    def forget(self) -> None:
+        """Drop what the latest forward left (a proposer read it): no tensor of a step outlives it, so a later call
+        with the same shapes can adopt this call's captured graphs (`hf_specdec.graph_reuse`)."""
         self.attention_mask = self.cache = self.last_hidden = None
         self.layer_outputs, self.kv = {}, {}
 
@@ -80,8 +91,9 @@ class VerifyCapture:
     def _before(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         if not self._mine():
             return
-        self.attention_mask = kwargs.get("attention_mask")
-        self.cache = compat.get_cache(kwargs)
+        if self.keep_inputs:
+            self.attention_mask = kwargs.get("attention_mask")
+            self.cache = compat.get_cache(kwargs)
         fed = kwargs.get("input_ids")
         if fed is None:
             fed = kwargs.get("inputs_embeds")
@@ -132,6 +144,10 @@ class TargetStateDrafter(Proposer):
 
     def attach(self, target: PreTrainedModel) -> None:
         self.capture.attach()
+
+    def calibrate(self, time_verify: Callable[[int], float]) -> None:
+        """The schedule's timing forwards ran the target: what they left is no verify's (and must not outlive them)."""
+        self.capture.forget()
 
     def detach(self) -> None:
         self.capture.detach()

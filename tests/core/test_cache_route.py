@@ -44,6 +44,8 @@ def test_the_default_on_cuda_is_the_captured_static_path_with_eager_forwards(mod
     assert (route.static, route.compile, route.by_default) == (True, False, True)
     assert choose_route(target, hf_specdec.SpecDecoder(), GenerationConfig()).static  # prompt lookup too
     assert choose_route(target, hf_specdec.SpecDecoder(method="mtp"), GenerationConfig()).static  # and MTP
+    early_exit = hf_specdec.SpecDecoder(method="early_exit", early_exit_layers=1)
+    assert choose_route(target, early_exit, GenerationConfig()).static  # and early exit
     compiled = choose_route(target, spec, GenerationConfig(compile_config=CompileConfig()))
     assert (compiled.static, compiled.compile) == (True, True)
     explicit = choose_route(target, spec, GenerationConfig(cache_implementation="static"))
@@ -60,7 +62,6 @@ def test_what_cannot_be_captured_takes_the_dynamic_path_and_says_why_once(models
     uncapturable = [
         hf_specdec.SpecDecoder(draft_model=draft, draft_confidence_threshold=0.4),
         hf_specdec.SpecDecoder(draft_model=draft, num_speculative_tokens_schedule="heuristic"),
-        hf_specdec.SpecDecoder(method="early_exit", early_exit_layers=1),
         hf_specdec.SpecDecoder(draft_model=draft, on_step=lambda record: None),
     ]
     with caplog.at_level(logging.WARNING, logger="hf_specdec"):
@@ -75,18 +76,26 @@ def test_what_cannot_be_captured_takes_the_dynamic_path_and_says_why_once(models
     assert any("draft_confidence_threshold" in message for message in said)
 
 
-def test_every_uncaptured_method_names_what_keeps_it_off_the_captured_path():
-    """Each method the captured step does not cover says why (its state that a capture would need on static caches)."""
+def test_every_method_is_captured_or_names_what_keeps_it_off_the_captured_path():
+    """Each drafting method either runs in the captured step or says why not (its state that a capture would need)."""
     from hf_specdec.config import METHODS
 
-    for method in set(METHODS) - set(cache_route.CAPTURABLE_METHODS):
-        assert "host" in cache_route.UNCAPTURED_METHODS[method] or "dynamic" in cache_route.UNCAPTURED_METHODS[method]
+    for method in METHODS:
+        reason = cache_route.UNCAPTURED_METHODS.get(method, "")
+        assert method in cache_route.CAPTURABLE_METHODS or "host" in reason or "dynamic" in reason, method
 
 
-def test_the_early_exit_default_says_its_reason(models, monkeypatch, caplog):
-    target, _ = models
+def test_every_drafting_method_takes_the_captured_static_path_on_cuda(models, monkeypatch):
+    """The default on CUDA for the methods drafting from the target's own states or layers (issue 39)."""
+    from core.test_static_cache import random_eagle3_head
+
+    target, draft = models
     _on_cuda(monkeypatch, target)
-    monkeypatch.setattr(cache_route, "_SAID", set())
-    with caplog.at_level(logging.WARNING, logger="hf_specdec"):
-        choose_route(target, hf_specdec.SpecDecoder(method="early_exit", early_exit_layers=1), GenerationConfig())
-    assert any(cache_route.UNCAPTURED_METHODS["early_exit"] in r.getMessage() for r in caplog.records)
+    for spec in (
+        hf_specdec.SpecDecoder(method="early_exit", early_exit_layers=1),
+        hf_specdec.SpecDecoder(draft_head=random_eagle3_head(target, [1, 1, 2])),
+        hf_specdec.SpecDecoder(method="dflash", draft_model=draft),
+        hf_specdec.SpecDecoder(method="gemma4_assistant", draft_model=draft),
+    ):
+        route = choose_route(target, spec, GenerationConfig())
+        assert (route.static, route.compile, route.by_default) == (True, False, True), spec.method

@@ -81,11 +81,13 @@ def test_seeded_sampling_is_the_same_captured(emulated_graphs, monkeypatch, proc
     assert_captured_draws_equal_uncaptured(target, inputs, spec, gen, monkeypatch)
 
 
-def assert_captured_draws_equal_uncaptured(target, inputs: dict, spec: dict, gen: dict, monkeypatch) -> None:  # noqa: ANN001
+def assert_captured_draws_equal_uncaptured(target, inputs: dict, spec: dict, gen: dict, monkeypatch,  # noqa: ANN001
+                                           before_each=lambda: None) -> None:  # noqa: ANN001  # fmt: skip
     """A seeded call with its steps captured, then the same with capture off: replays only in the first, and the
     same tokens (the draws are keyed by row seed and a device step counter, which replays advance)."""
 
     def run() -> tuple[torch.Tensor, int]:
+        before_each()
         decoder = hf_specdec.SpecDecoder(**spec)
         return spec_generate(target, inputs, decoder, **gen), decoder.last_stats.num_graph_replays
 
@@ -94,6 +96,37 @@ def assert_captured_draws_equal_uncaptured(target, inputs: dict, spec: dict, gen
     uncaptured, none = run()
     assert replays > 0 and none == 0
     assert torch.equal(captured, uncaptured)
+
+
+def assert_captured_drafts_equal_uncaptured(target, inputs: dict, spec: dict, gen: dict, monkeypatch) -> None:  # noqa: ANN001
+    """`assert_captured_draws_equal_uncaptured`, and every step's drafts and draft probabilities are the same too: the
+    verify logs them into a tensor indexed by the device step counter, inside the step, so replays log theirs (a
+    drafter whose replays read stale state would propose other drafts, or the same ones with other probabilities)."""
+    from hf_specdec.decoding import SpeculativeLoop
+
+    verify = SpeculativeLoop.verify
+    logs: list[dict[str, torch.Tensor]] = []
+
+    def logging_verify(loop, proposal):  # noqa: ANN001, ANN202
+        ids, probs = proposal.draft_token_ids, proposal.draft_probs  # [B, k], [B, k, V] or None
+        if ids.shape[1]:  # a drafting step (the others propose nothing)
+            log, steps = logs[-1], gen["max_new_tokens"] + 1
+            if "ids" not in log:  # made at the first (uncaptured) step that proposes or drafts
+                log["ids"] = torch.full((steps, *ids.shape), -2, dtype=ids.dtype)
+            if probs is not None and "probs" not in log:
+                log["probs"] = torch.zeros(steps, *probs.shape)
+            at = loop.sampling.step.clamp(max=steps - 1).reshape(1)  # [1] the device step counter
+            log["ids"].index_copy_(0, at, ids[None])
+            if probs is not None:
+                log["probs"].index_copy_(0, at, probs[None])
+        return verify(loop, proposal)
+
+    monkeypatch.setattr(SpeculativeLoop, "verify", logging_verify)
+    with monkeypatch.context() as patch:
+        assert_captured_draws_equal_uncaptured(target, inputs, spec, gen, patch, before_each=lambda: logs.append({}))
+    captured, uncaptured = logs
+    assert (captured["ids"] >= 0).any() and torch.equal(captured["ids"], uncaptured["ids"])
+    assert torch.equal(captured["probs"], uncaptured["probs"])
 
 
 @pytest.mark.parametrize("method", ["draft", "ngram"])

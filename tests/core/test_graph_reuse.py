@@ -99,7 +99,7 @@ def test_an_entry_serves_one_call_at_a_time_and_only_its_signature(monkeypatch):
     assert graph_reuse.checkout(model, ("B", 10 + graph_reuse.MAX_ENTRIES + 1))[0] is None
 
 
-@pytest.mark.parametrize("method", ["draft", "ngram"])
+@pytest.mark.parametrize("method", ["draft", "ngram", "early_exit"])
 def test_calls_that_adopt_a_kept_calls_state_give_plain_output(monkeypatch, emulated_graphs, method):
     """Static calls with equal signatures: each later one adopts the graphs and the state its predecessor left
     (CUDA graphs emulated on the CPU) and gives plain's tokens; a call of another batch size does not adopt them."""
@@ -117,7 +117,8 @@ def test_calls_that_adopt_a_kept_calls_state_give_plain_output(monkeypatch, emul
     gen = dict(max_new_tokens=20, do_sample=False, eos_token_id=None, cache_implementation="static")
     for batch_size, seed in ((3, 1), (3, 2), (3, 3), (2, 4)):
         inputs = make_prompts(batch_size, seed=seed, min_len=6, max_len=6)  # one prompt width: equal max_length
-        spec = hf_specdec.SpecDecoder(draft_model=draft) if method == "draft" else hf_specdec.SpecDecoder()
+        spec = {"draft": lambda: hf_specdec.SpecDecoder(draft_model=draft), "ngram": hf_specdec.SpecDecoder,
+                "early_exit": lambda: hf_specdec.SpecDecoder(early_exit_layers=1)}[method]()  # fmt: skip
         plain = target.generate(**inputs, **{k: v for k, v in gen.items() if k != "cache_implementation"})
         assert torch.equal(spec_generate(target, inputs, spec, **gen), plain)
     assert adopted == [False, True, True, False]

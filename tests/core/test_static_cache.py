@@ -112,10 +112,12 @@ def test_static_shapes_are_fixed_after_the_prefill(llama, llama_draft, monkeypat
     assert widths == {"target": {5}, "draft": {2, 1}}
 
 
-@pytest.mark.parametrize("method", ["draft", "ngram", "mtp"])
+@pytest.mark.parametrize("method", ["draft", "ngram", "mtp", "early_exit", "eagle3", "dflash", "gemma4_assistant"])
 def test_static_path_syncs_the_host_once_per_step(llama, llama_draft, monkeypatch, method):
     """After step 0, a greedy draft-model step, a prompt-lookup step with the constant schedule (the device
-    matcher), or an MTP step (fixed catch-up widths) reads the device from the host once (which rows are done).
+    matcher), an MTP step (fixed catch-up widths), an early-exit step, or a step of a drafter fed the target's states
+    (EAGLE-3, DFlash, Gemma 4 assistant: the context fed at the verify's width) reads the device from the host once
+    (which rows are done).
 
     Every host read of a tensor is counted (`item`, `tolist`, `bool`, `int`, `cpu`, `numpy`), except inside the
     CPU reference sampler, which only runs where there is no GPU (on CUDA the Triton kernels run, and read nothing).
@@ -153,6 +155,20 @@ def test_static_path_syncs_the_host_once_per_step(llama, llama_draft, monkeypatc
 
         target, mtp = make_mtp_target("deepseek_v3")
         spec = hf_specdec.SpecDecoder(method="mtp", mtp_model=mtp, num_speculative_tokens=3)
+    elif method == "early_exit":
+        target = make_model("llama", seed=0, layers=3)
+        spec = hf_specdec.SpecDecoder(method="early_exit", early_exit_layers=1, num_speculative_tokens=3)
+    elif method == "eagle3":
+        spec = hf_specdec.SpecDecoder(draft_head=random_eagle3_head(llama, [1, 1, 2]), num_speculative_tokens=3)
+    elif method == "dflash":
+        from conftest import make_dflash_drafter
+
+        spec = hf_specdec.SpecDecoder(method="dflash", draft_model=make_dflash_drafter(llama), num_speculative_tokens=3)
+    elif method == "gemma4_assistant":
+        from conftest import make_gemma4, make_gemma4_assistant
+
+        target = make_gemma4()
+        spec = hf_specdec.SpecDecoder(draft_model=make_gemma4_assistant(target, echo=0.7), num_speculative_tokens=3)
     else:
         spec = hf_specdec.SpecDecoder(
             method="ngram", num_speculative_tokens=4, num_speculative_tokens_schedule="constant"
@@ -334,3 +350,17 @@ def test_mtp_steps_are_captured_on_cuda(arch):
             assert spec.last_stats.num_graph_replays > 0 and not said
         else:
             assert said and "set_experts_implementation('batched_mm')" in said[0]
+
+
+def random_eagle3_head(target, aux_layer_ids: list[int]):  # noqa: ANN001, ANN201
+    """An EAGLE-3 head with torch's default initialisation for `target` (its vocabulary, its hidden size)."""
+    from transformers import LlamaConfig
+
+    from hf_specdec.proposers.eagle3_head import Eagle3Head
+
+    config = target.config
+    layer = LlamaConfig(hidden_size=config.hidden_size, intermediate_size=2 * config.hidden_size,
+                        num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1,
+                        vocab_size=config.vocab_size)  # fmt: skip
+    torch.manual_seed(3)
+    return Eagle3Head(layer, config.vocab_size, config.hidden_size, aux_layer_ids=aux_layer_ids).eval()

@@ -133,8 +133,6 @@ def test_refusals_teach(dflash, llama) -> None:
     spec = hf_specdec.SpecDecoder(method="dflash", draft_model=drafter, num_speculative_tokens=2)
     with pytest.raises(ValueError, match="hidden_size"):  # a drafter trained for another target
         spec_generate(make_model("llama", hidden=32, vocab=VOCAB), inputs, spec, max_new_tokens=4)
-    with pytest.raises(NotImplementedError, match="static"):
-        spec_generate(target, inputs, spec, max_new_tokens=4, cache_implementation="static")
     with pytest.raises(ValueError, match="draft_confidence_threshold"):
         hf_specdec.SpecDecoder(method="dflash", draft_model=drafter, draft_confidence_threshold=0.4)
     with pytest.raises(ValueError, match="needs a draft model"):

@@ -334,9 +334,6 @@ def test_refusals_teach(target, heads, tmp_path) -> None:
     with pytest.raises(ValueError, match=r"layers \[1, 4, 5\].*4 decoder layers"):
         spec = hf_specdec.SpecDecoder(draft_head=heads["speculators"][0])
         spec_generate(make_model("llama", vocab=VOCAB, layers=4), inputs, spec, max_new_tokens=4)
-    with pytest.raises(NotImplementedError, match="static"):
-        spec_generate(target, inputs, hf_specdec.SpecDecoder(draft_head=head), max_new_tokens=4,
-                      cache_implementation="static")  # fmt: skip
     with pytest.raises(ValueError, match="needs an EAGLE-3 head"):
         hf_specdec.SpecDecoder(method="eagle3")
     with pytest.raises(ValueError, match="only method='eagle3' uses"):

@@ -182,8 +182,6 @@ def test_refusals_teach(gemma4, llama) -> None:
     spec = hf_specdec.SpecDecoder(draft_model=assistant, num_speculative_tokens=2)
     with pytest.raises(NotImplementedError, match="Gemma 4 target"):
         spec_generate(llama, inputs, spec, max_new_tokens=4)
-    with pytest.raises(NotImplementedError, match="static"):
-        spec_generate(target, inputs, spec, max_new_tokens=4, cache_implementation="static")
     with pytest.raises(ValueError, match="draft_confidence_threshold"):
         hf_specdec.SpecDecoder(draft_model=assistant, draft_confidence_threshold=0.4)
     wrong = hf_specdec.SpecDecoder(method="gemma4_assistant", draft_model=llama, num_speculative_tokens=2)

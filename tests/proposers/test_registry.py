@@ -36,3 +36,23 @@ def test_conditional_constructor_comes_first(monkeypatch):
     Spec.method = "missing"
     with pytest.raises(ValueError, match="No proposer is registered for method='missing'"):
         proposers.build(Spec(), None, proposers.ProposerContext())
+
+
+def test_a_static_port_builds_the_calls_on_static_caches(monkeypatch):
+    monkeypatch.setattr(proposers, "_REGISTRY", {})
+    monkeypatch.setattr(proposers, "_discovered", True)
+    proposers.register("toy", static=True)(lambda spec, target, context: "static")
+    proposers.register("toy")(lambda spec, target, context: "plain")
+
+    class Spec:
+        method = "toy"
+
+    assert proposers.build(Spec(), None, proposers.ProposerContext(static=True)) == "static"
+    assert proposers.build(Spec(), None, proposers.ProposerContext()) == "plain"
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash", "gemma4_assistant"])
+def test_static_ports_register_for_their_methods(method):
+    """The methods drafting from the target's states have static-cache ports in their own modules."""
+    proposers._discover()
+    assert any(static for _, static, _ in proposers._REGISTRY[method])

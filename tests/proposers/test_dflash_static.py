@@ -1,0 +1,126 @@
+"""DFlash drafters on static caches (`hf_specdec/proposers/dflash_static.py`), with steps captured (CUDA graphs
+emulated on the CPU: tests/emulated_graphs.py) and without.
+
+Every draft of an uncaptured static call equals the drafter's own forward over the row's whole context
+(test_dflash.py's reference); captured calls at batch 3 (left-padded) give plain `generate`'s greedy tokens and the
+uncaptured static path's acceptance, replaying their steps; seeded sampling draws the same captured and uncaptured,
+and keeps the target's law; calls of equal shapes adopt the kept graphs and stay exact.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import transformers
+from conftest import make_dflash_drafter, make_model, make_prompts, record_proposals, spec_generate
+from core.test_emulated_capture import assert_captured_drafts_equal_uncaptured
+from first_tokens_law import check_first_tokens, exact_joint_law
+
+import hf_specdec
+from hf_specdec import graph_reuse
+
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.skipif(
+        not hasattr(transformers, "MuseGlimmerAssistantModel"), reason="this transformers has no DFlash drafter"
+    ),
+]
+VOCAB = 16
+STATIC = dict(do_sample=False, cache_implementation="static")
+
+
+@pytest.fixture(scope="module")
+def dflash():
+    target = make_model("llama", seed=0, layers=3, vocab=VOCAB)
+    return target, make_dflash_drafter(target)
+
+
+def test_static_drafts_equal_the_drafter_forward(dflash, monkeypatch) -> None:
+    """Uncaptured static steps (context and block fed in commit, at the verify's width): every draft is the
+    drafter's own forward over the row's whole context, and the output is plain's."""
+    from proposers.test_dflash import reference_drafts
+
+    from hf_specdec.proposers.dflash_static import StaticDFlashProposer
+
+    target, drafter = dflash
+    inputs = make_prompts(3, vocab=VOCAB, seed=3, repetitive=False)
+    expected = target.generate(**inputs, max_new_tokens=16, do_sample=False)
+    steps = record_proposals(monkeypatch, StaticDFlashProposer)
+    spec = hf_specdec.SpecDecoder(method="dflash", draft_model=drafter, num_speculative_tokens=3)
+    assert torch.equal(spec_generate(target, inputs, spec, max_new_tokens=16, **STATIC), expected)
+    assert spec.last_stats.num_graph_replays == 0 and spec.last_stats.num_accepted_tokens > 0
+    checked = 0
+    for token_ids, lengths, pad_lengths, drafts in steps:
+        for i in range(token_ids.shape[0]):
+            num = int((drafts[i] >= 0).sum())
+            if num:
+                row = token_ids[i, pad_lengths[i] : lengths[i]]
+                assert drafts[i, :num].tolist() == reference_drafts(target, drafter, row, num)
+                checked += 1
+    assert checked > 0
+
+
+@pytest.mark.parametrize("schedule", ["constant", "adaptive"])
+def test_captured_steps_equal_plain(emulated_graphs, dflash, schedule) -> None:
+    target, drafter = dflash
+    inputs = make_prompts(3, vocab=VOCAB, seed=5, repetitive=False)
+    gen = dict(max_new_tokens=20, eos_token_id=None)
+    expected = target.generate(**inputs, **gen, do_sample=False)
+    stats = {}
+    for captured in (True, False):
+        spec = hf_specdec.SpecDecoder(method="dflash", draft_model=drafter, num_speculative_tokens=3,
+                                      num_speculative_tokens_schedule=schedule)  # fmt: skip
+        with warnings.catch_warnings(), pytest.MonkeyPatch.context() as patch:
+            warnings.simplefilter("error", RuntimeWarning)  # a refused capture would warn
+            if not captured:
+                patch.setenv("HF_SPECDEC_CAPTURE_STEPS", "0")
+            assert torch.equal(spec_generate(target, inputs, spec, **gen, **STATIC), expected), captured
+        stats[captured] = spec.last_stats
+    assert stats[True].num_graph_replays > 0 and stats[False].num_graph_replays == 0
+    if schedule == "constant":
+        assert 0 < stats[True].num_accepted_tokens < stats[True].num_draft_tokens, stats[True]
+        assert stats[True].accepted_per_position == stats[False].accepted_per_position
+
+
+def test_captured_sampling_draws_what_the_uncaptured_step_draws(emulated_graphs, dflash, monkeypatch) -> None:
+    target, drafter = dflash
+    gen = dict(max_new_tokens=20, do_sample=True, temperature=0.9, eos_token_id=None, cache_implementation="static")
+    spec = dict(method="dflash", draft_model=drafter, num_speculative_tokens=3, seed=5)
+    assert_captured_drafts_equal_uncaptured(target, make_prompts(3, vocab=VOCAB, seed=8), spec, gen, monkeypatch)
+
+
+def test_sampling_on_static_caches_follows_the_target_law(monkeypatch) -> None:
+    from hf_specdec import cache_route
+
+    monkeypatch.setattr(cache_route, "STATIC_LENGTH_BUCKET", 1)  # 6000 rows: keep the static caches short
+    target = make_model("llama", seed=0, vocab=12)
+    drafter = make_dflash_drafter(target, seed=2, block_size=3)
+    prompt = torch.tensor([[5, 6, 11, 5, 6, 11, 5, 6]])
+    samples = 6000
+    inputs = {"input_ids": prompt.expand(samples, -1), "attention_mask": torch.ones(samples, prompt.shape[1])}
+    spec = hf_specdec.SpecDecoder(method="dflash", draft_model=drafter, num_speculative_tokens=2, seed=1234)
+    out = spec_generate(target, inputs, spec, max_new_tokens=3, do_sample=True, temperature=1.0, top_k=0,
+                        cache_implementation="static")  # fmt: skip
+    assert 0.05 < spec.last_stats.acceptance_rate < 0.95, spec.last_stats
+    check_first_tokens(out, prompt, exact_joint_law(target, prompt, 3, 1.0), 3)
+
+
+def test_calls_that_adopt_kept_graphs_give_plain_output(emulated_graphs, dflash, monkeypatch) -> None:
+    from hf_specdec.step_graph import StepGraph
+
+    monkeypatch.delenv(graph_reuse.REUSE_ENV, raising=False)  # reuse is on by default
+    adopted = []
+    reuse = StepGraph._reuse
+    monkeypatch.setattr(StepGraph, "_reuse", lambda self: (reuse(self), adopted.append(self.entry is not None)))
+    target, drafter = dflash
+    gen = dict(max_new_tokens=16, do_sample=False, eos_token_id=None)
+    for batch_size, seed in ((3, 1), (3, 2), (2, 4)):
+        inputs = make_prompts(batch_size, vocab=VOCAB, seed=seed, min_len=6, max_len=6, repetitive=False)
+        spec = hf_specdec.SpecDecoder(method="dflash", draft_model=drafter, num_speculative_tokens=3)
+        assert torch.equal(spec_generate(target, inputs, spec, **gen, cache_implementation="static"),
+                           target.generate(**inputs, **gen)), seed  # fmt: skip
+        assert spec.last_stats.num_graph_replays > 0
+    assert adopted == [False, True, False]
+    graph_reuse.clear(target)
