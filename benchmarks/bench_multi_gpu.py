@@ -106,7 +106,7 @@ def load_device_map(model_dir: Path, dry_run: bool) -> torch.nn.Module:
 
 def load_tensor_parallel(model_dir: Path) -> torch.nn.Module:
     kwargs: dict = dict(dtype=torch.bfloat16, attn_implementation="sdpa")
-    try:  # transformers >= 5.18 takes tp_plan in a DistributedConfig; 5.17 as an argument
+    try:  # a DistributedConfig (5.17 and 5.24; the tp_plan argument is deprecated), tp_plan= where it is missing
         from transformers.distributed import DistributedConfig
 
         kwargs["distributed_config"] = DistributedConfig(tp_plan="auto")

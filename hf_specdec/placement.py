@@ -74,9 +74,19 @@ def module_device(module: torch.nn.Module) -> torch.device:
     return _hook_device(module) or _first_real_device(module) or torch.device("cpu")
 
 
+def dispatched(model: torch.nn.Module) -> bool:
+    """Whether accelerate dispatched `model` with hooks: its `device_map` names several places, or the disk."""
+    values = {str(v) for v in (getattr(model, "hf_device_map", None) or {}).values()}
+    return len(values) > 1 or "disk" in values
+
+
 def input_device(model: torch.nn.Module) -> torch.device:
-    """Where `model` embeds its input ids: its embedding's execution device (accelerate's hook, for an offloaded or
-    spread model), else the embedding weight's device, else the model's first non-meta tensor's."""
+    """Where `model` embeds its input ids: `model.device` for a model on one device; for one dispatched by accelerate
+    (spread or offloaded: `model.device` may say `meta`), its embedding's execution device (the hook's), else the
+    embedding weight's device, else the model's first non-meta tensor's."""
+    device = getattr(model, "device", None)
+    if not dispatched(model) and isinstance(device, torch.device) and device.type != "meta":
+        return device
     try:
         embeddings = model.get_input_embeddings()
     except (AttributeError, NotImplementedError):  # a drafter fed embeddings (DFlash), MTP layers

@@ -30,7 +30,7 @@ K = 3
 def load(model_dir: str, tensor_parallel: bool) -> torch.nn.Module:
     kwargs: dict = {"attn_implementation": "sdpa"}
     if tensor_parallel:
-        try:  # transformers >= 5.18 takes it in a DistributedConfig (5.17: the tp_plan argument)
+        try:  # a DistributedConfig (5.17 and 5.24; the tp_plan argument is deprecated), tp_plan= where it is missing
             from transformers.distributed import DistributedConfig
 
             kwargs["distributed_config"] = DistributedConfig(tp_plan="auto")
