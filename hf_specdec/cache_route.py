@@ -32,7 +32,7 @@ DEFAULT_STATIC_ENV = "HF_SPECDEC_DEFAULT_STATIC"
 
 #: Methods whose whole step can be captured on the static path (others run eagerly there, so the default keeps them
 #: on the dynamic path).
-CAPTURABLE_METHODS = ("draft", "ngram", "mtp")
+CAPTURABLE_METHODS = ("draft", "ngram", "mtp", "suffix")  # suffix: drafts planned on the host, read by the graph
 
 #: Why each other method's steps are not captured (what a capture would need: a static-cache port of its state).
 UNCAPTURED_METHODS = {
