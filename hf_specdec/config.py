@@ -22,7 +22,7 @@ DEFAULT_SPECULATIVE_TOKENS = {"suffix": 16}
 SUFFIX_DEFAULTS = {
     "suffix_max_tree_depth": 24,
     "suffix_max_cached_requests": 10_000,
-    "suffix_max_cached_tokens": 1_000_000,
+    "suffix_max_cached_tokens": 100_000,
     "suffix_max_spec_factor": 1.0,
     "suffix_min_token_prob": 0.1,
 }
@@ -95,9 +95,10 @@ class SpecDecoder:
         suffix_max_cached_requests (`int`, defaults to 10000):
             `method="suffix"`: earlier outputs the global tree keeps (the oldest are taken out first); 0 turns the
             global tree off (drafts then come from each row's own prompt and output only).
-        suffix_max_cached_tokens (`int`, defaults to 1000000):
+        suffix_max_cached_tokens (`int`, defaults to 100000):
             `method="suffix"`: the global tree's memory bound, in tokens over all kept outputs (oldest out first).
-            A token costs at most `suffix_max_tree_depth` nodes of about 50 bytes; real text shares many.
+            A token costs at most `suffix_max_tree_depth` nodes of about 64 bytes: about 1.5 KB a token at depth 24
+            on real text, so the default bounds the tree to about 150 MB.
         suffix_max_spec_factor (`float`, defaults to 1.0):
             `method="suffix"`: a match of m tokens drafts at most `m * suffix_max_spec_factor` tokens.
         suffix_min_token_prob (`float`, defaults to 0.1):
@@ -283,7 +284,7 @@ class SpecDecoder:
 
         integer("suffix_max_tree_depth", 1, 128, "vLLM's default is 24 (each token costs up to this many tree nodes).")
         integer("suffix_max_cached_requests", 0, None, "earlier outputs kept in the global tree; 0 turns it off.")
-        integer("suffix_max_cached_tokens", 0, None, "the global tree's bound in tokens (default 1000000).")
+        integer("suffix_max_cached_tokens", 0, None, "the global tree's bound in tokens (default 100000, about 150 MB).")
         factor = self.suffix_max_spec_factor
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 64:
             raise ValueError(

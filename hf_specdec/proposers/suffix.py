@@ -19,7 +19,7 @@ import torch
 from hf_specdec.proposers import ProposerContext, register
 from hf_specdec.proposers.base import Proposal, Proposer
 from hf_specdec.proposers.suffix_cache import SuffixCache, cache_for
-from hf_specdec.proposers.suffix_search import suffix_drafts
+from hf_specdec.proposers.suffix_search import COUNT_COLUMN, MATCH_COLUMN, suffix_drafts
 from hf_specdec.proposers.suffix_tree import SuffixTree
 
 if TYPE_CHECKING:
@@ -90,36 +90,38 @@ class SuffixProposer(Proposer):
     def prefill(self, batch: RaggedBatch, sampling: StepSampling) -> None:
         """Build each row's tree from its prompt (host copies of the tokens and lengths: one read)."""
         self.batch = batch
-        tokens = batch.token_ids.to("cpu", torch.int64, copy=True).numpy()  # [B, C] host mirror of the rows
-        self.starts = batch.pad_lengths.to("cpu", torch.int64, copy=True).numpy()  # [B]
+        self.tokens = batch.token_ids.to("cpu", torch.int64, copy=True).numpy()  # [B, C] host mirror of the rows
+        starts = batch.pad_lengths.to("cpu", torch.int64, copy=True).numpy()  # [B]
         ends = batch.lengths.to("cpu", torch.int64, copy=True).numpy()  # [B]
         self.prompt_width = batch.prompt_width
-        size = batch.batch_size
-        self.trees = SuffixTree(self.max_depth, num_roots=size, capacity=max(1024, int((ends - self.starts).sum()) * 4))
-        self.active, self.num_active = self.trees.start_rows(self.trees.roots)  # [B, D + 1], [B]
-        self.tokens = tokens
-        self.trees.append_rows(self.active, self.num_active, tokens, self.starts, ends)
-        self.seen = ends  # [B] tokens of each row in its tree
+        size, k = batch.batch_size, self.num_speculative_tokens
+        prompt_tokens = int((ends - starts).sum())
+        self.trees = SuffixTree(self.max_depth, num_roots=size, capacity=max(1024, prompt_tokens * 4))
+        #: [B, D + 1] int32 and [B, 3] int64 (first real token, tokens in the tree, set entries of `active`)
+        self.active, self.state = self.trees.start_rows(self.trees.roots, starts)
+        self.trees.append_rows(self.active, self.state, self.tokens, ends, max_new_tokens=prompt_tokens)
         self.published = np.zeros(size, np.bool_)  # [B] its output went to the global tree
+        self.out = np.empty((size, k + 3), np.int64)  # [B, k + 3] the drafting kernel's output, reused
+        self.scores = np.empty(size, np.float64)  # [B]
+        self.full_budgets = np.full(size, k, np.int64)  # [B]
         if self.static is not None:
-            k = self.num_speculative_tokens
             self.draft_ids = torch.full((size, k), -1, dtype=torch.long, device=batch.device)
             self.draft_counts = torch.zeros(size, dtype=torch.long, device=batch.device)
             self.draft_keys = torch.zeros(size, dtype=torch.long, device=batch.device)
-
-    def _append(self, source: np.ndarray, ends: np.ndarray) -> None:
-        """Rows whose length grew append their new tokens (`source` [B, L]: at their indices in the row)."""
-        if (ends > self.seen).any():
-            self.trees.append_rows(self.active, self.num_active, source, self.seen, ends, mirror=self.tokens)
-            self.seen = np.maximum(self.seen, ends)
 
     def commit(self, batch: RaggedBatch, num_accepted: torch.Tensor) -> None:
         """Dynamic caches: read the tokens each row committed (on the CPU: no copy) into its tree."""
         if self.static is not None:  # device work only; the step's host read brings the tokens (`read_host_rows`)
             return
-        ends = batch.lengths.to("cpu", torch.int64).numpy()  # [B]
-        width = int(ends.max()) if len(ends) else 0
-        self._append(batch.token_ids[:, :width].to("cpu", torch.int64).numpy(), ends)
+        ends = _host(batch.lengths)  # [B]
+        if batch.device.type == "cpu":
+            source = _host(batch.token_ids)  # [B, C], shared with the batch
+        else:
+            source = _host(batch.token_ids[:, : int(ends.max()) if len(ends) else 0])
+        # A step commits at most k + 1 tokens a row: a bound for the tree's growth without reading the counts.
+        self.trees.append_rows(
+            self.active, self.state, source, ends, self.tokens, max_new_tokens=len(ends) * (self.out.shape[1] - 2)
+        )
 
     def host_rows(self, batch: RaggedBatch) -> torch.Tensor | None:  # [k + 1, B]
         """Static caches: each row's last k + 1 tokens (a step commits at most that many), for the step's one read."""
@@ -133,47 +135,50 @@ class SuffixProposer(Proposer):
         """What `host_rows` asked for, read with the row lengths after the step: append the new tokens."""
         ends = np.asarray(lengths, np.int64)  # [B]
         window = np.asarray(rows, np.int64).T  # [B, k + 1]: row i's tokens at ends[i] - (k + 1) ..
-        new = ends - self.seen  # [B]
+        seen = self.state[:, 1]
+        new = ends - seen  # [B]
         if (new > window.shape[1]).any():
             raise RuntimeError(f"suffix decoding missed committed tokens ({new.tolist()} new, {window.shape[1]} read)")
         for i in np.nonzero(new > 0)[0]:
-            self.tokens[i, self.seen[i] : ends[i]] = window[i, window.shape[1] - new[i] :]
-        self._append(self.tokens, ends)
+            self.tokens[i, seen[i] : ends[i]] = window[i, window.shape[1] - new[i] :]
+        self.trees.append_rows(self.active, self.state, self.tokens, ends, max_new_tokens=int(new.clip(0).sum()))
 
     def select_rows(self, keep: torch.Tensor) -> None:
         """Rows that leave give their output to the global tree; the others' state follows them."""
         keep = keep.to("cpu").numpy()
-        self._publish(np.setdiff1d(np.arange(len(self.seen)), keep))
-        self.tokens, self.starts, self.seen = self.tokens[keep], self.starts[keep], self.seen[keep]
-        self.active, self.num_active, self.published = self.active[keep], self.num_active[keep], self.published[keep]
+        self._publish(np.setdiff1d(np.arange(len(self.state)), keep))
+        self.tokens, self.active, self.state = self.tokens[keep], self.active[keep], self.state[keep]
+        self.published, self.full_budgets = self.published[keep], self.full_budgets[keep]
+        self.out, self.scores = self.out[keep], self.scores[keep]
 
     def detach(self) -> None:
         """The call ends: every row not yet published gives its output to the global tree."""
         if self.trees is not None:
-            self._publish(np.arange(len(self.seen)))
+            self._publish(np.arange(len(self.state)))
         self.trees = self.batch = None
 
     def _publish(self, rows: np.ndarray) -> None:
         """Add the outputs of `rows` (with up to D tokens of prompt before them) to the global tree, once each."""
         for i in rows:
-            if self.cache is not None and not self.published[i] and self.seen[i] > self.prompt_width:
-                begin = max(int(self.starts[i]), self.prompt_width - self.max_depth)
-                self.cache.add(self.tokens[i, begin : self.seen[i]])
+            first, end = int(self.state[i, 0]), int(self.state[i, 1])
+            if self.cache is not None and not self.published[i] and end > self.prompt_width:
+                self.cache.add(self.tokens[i, max(first, self.prompt_width - self.max_depth) : end])
             self.published[i] = True
 
     # --- drafting ------------------------------------------------------------------------------------------------
 
     def _draft(self, budgets: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # [B, k], [B], [B]
-        """Drafts from both trees for every row within `budgets` ([B]), and their keys."""
-        args = (self.trees, self.active, self.num_active)
-        rest = (self.tokens, self.starts, self.seen, budgets, self.num_speculative_tokens, self.max_spec_factor,
-                self.min_token_prob)  # fmt: skip
+        """Drafts from both trees for every row within `budgets` ([B]), their counts and keys (views of `out`)."""
+        k = self.num_speculative_tokens
+        args = (self.trees, self.active, self.state, self.tokens)
+        rest = (budgets, k, self.max_spec_factor, self.min_token_prob, self.out, self.scores)
         if self.cache is None:
-            drafts, counts, match_lengths, _, _ = suffix_drafts(*args, None, *rest)
+            suffix_drafts(*args, None, *rest)
         else:
             with self.cache.lock:
-                drafts, counts, match_lengths, _, _ = suffix_drafts(*args, self.cache.tree, *rest)
-        return drafts, counts, draft_key(match_lengths)
+                suffix_drafts(*args, self.cache.tree, *rest)
+        out = self.out
+        return out[:, :k], out[:, k + COUNT_COLUMN], draft_key(out[:, k + MATCH_COLUMN])
 
     def plan_step(self, batch: RaggedBatch) -> Hashable | None:
         """Static caches: draft k for every row on the host and write the drafts where the step reads them."""
@@ -182,7 +187,7 @@ class SuffixProposer(Proposer):
         return ()
 
     def _plan(self) -> None:
-        drafts, counts, keys = self._draft(np.full(len(self.seen), self.num_speculative_tokens, np.int64))
+        drafts, counts, keys = self._draft(self.full_budgets)
         self.draft_ids.copy_(torch.from_numpy(drafts))
         self.draft_counts.copy_(torch.from_numpy(counts))
         self.draft_keys.copy_(torch.from_numpy(keys))
@@ -207,15 +212,22 @@ class SuffixProposer(Proposer):
             return Proposal(self.draft_ids, counts, draft_probs=None, draft_keys=self.draft_keys)
         if batch.batch_size == 0:
             return Proposal.empty(0, batch.device)
-        budgets = max_draft_tokens.to("cpu", torch.int64).numpy()  # [B]
-        drafts, counts, keys = self._draft(budgets)
+        drafts, counts, keys = self._draft(_host(max_draft_tokens))
         k_used = int(counts.max())
+        device = batch.device
         return Proposal(
-            torch.from_numpy(drafts[:, :k_used]).to(batch.device),  # [B, k_used]
-            torch.from_numpy(counts).to(batch.device),  # [B]
+            torch.from_numpy(drafts[:, :k_used].copy()).to(device),  # [B, k_used]
+            torch.from_numpy(counts.copy()).to(device),  # [B]
             draft_probs=None,
-            draft_keys=torch.from_numpy(keys).to(batch.device),  # [B]
+            draft_keys=torch.from_numpy(keys).to(device),  # [B]
         )
+
+
+def _host(tensor: torch.Tensor) -> np.ndarray:
+    """An int64 numpy view of `tensor` on the host (no copy for a CPU int64 tensor)."""
+    if tensor.device.type == "cpu" and tensor.dtype == torch.int64:
+        return tensor.numpy()
+    return tensor.to("cpu", torch.int64).numpy()
 
 
 @register("suffix")

@@ -68,8 +68,7 @@ def _walk(
 
 def _longest_match(
     nodes: np.ndarray,
-    hkeys: np.ndarray,
-    hvals: np.ndarray,
+    table: np.ndarray,
     root: int,
     row: np.ndarray,  # [C] int64: the row's tokens
     start: int,  # its first real token (after left padding)
@@ -85,7 +84,7 @@ def _longest_match(
         mid = (low + high + 1) // 2
         node = root
         for q in range(end - mid, end):
-            node = _find(hkeys, hvals, node, row[q])
+            node = _find(table, node, row[q])
             if node < 0:
                 break
         if node >= 0 and _continues(nodes, node, mid, depth):
@@ -96,42 +95,40 @@ def _longest_match(
     return best, low
 
 
+#: Columns of the kernel's output rows past the k drafts: drafts per row, match length, from the global tree (0/1).
+COUNT_COLUMN, MATCH_COLUMN, GLOBAL_COLUMN = 0, 1, 2
+
+
 def _suffix_drafts(
     local_nodes: np.ndarray,
     active: np.ndarray,  # [B, D + 1] int32: node of each row's last d tokens in its own tree
-    num_active: np.ndarray,  # [B] int64: set entries of `active` (1 + min(D, row length))
-    global_nodes: np.ndarray,
-    global_keys: np.ndarray,
-    global_values: np.ndarray,
-    global_root: int,  # -1: no global tree
+    state: np.ndarray,  # [B, 3] int64: (first real token, end, set entries of `active`) per row
     tokens: np.ndarray,  # [B, C] int64: the rows' tokens
-    starts: np.ndarray,  # [B] int64: each row's first real token
-    ends: np.ndarray,  # [B] int64: one past each row's last token
+    global_nodes: np.ndarray,
+    global_table: np.ndarray,
+    global_root: int,  # -1: no global tree
     budgets: np.ndarray,  # [B] int64: most drafts per row
     depth: int,
     max_spec_factor: float,
     min_prob: float,
-    drafts: np.ndarray,  # [B, k] int64, -1 filled
-    counts: np.ndarray,  # [B] int64, zero filled
-    match_lengths: np.ndarray,  # [B] int64, zero filled
-    from_global: np.ndarray,  # [B] bool, False filled
+    out: np.ndarray,  # [B, k + 3] int64: drafts (-1 filled), then count, match length, from_global (0 filled)
     scores: np.ndarray,  # [B] float64, zero filled
 ) -> None:
-    k = drafts.shape[1]
+    k = out.shape[1] - 3
     scratch = np.empty(k, np.int64)
-    for i in range(drafts.shape[0]):
+    for i in range(out.shape[0]):
         want = min(budgets[i], k)
         if want <= 0:
             continue
         best_score = 0.0
-        m = min(depth, num_active[i] - 1)
+        m = min(depth, state[i, 2] - 1)
         node = active[i, m] if m > 0 else -1
         for tree in range(2):
             if tree == 1:
                 if global_root < 0:
                     break
                 node, m = _longest_match(
-                    global_nodes, global_keys, global_values, global_root, tokens[i], starts[i], ends[i], depth
+                    global_nodes, global_table, global_root, tokens[i], state[i, 0], state[i, 1], depth
                 )
             nodes = local_nodes if tree == 0 else global_nodes
             while m > 0:
@@ -142,11 +139,11 @@ def _suffix_drafts(
                     n, score = _walk(nodes, node, m, depth, limit, min_prob, scratch)
                     if score > best_score:
                         best_score = score
-                        drafts[i, :n] = scratch[:n]
-                        drafts[i, n:] = -1
-                        counts[i] = n
-                        match_lengths[i] = m
-                        from_global[i] = tree == 1
+                        out[i, :n] = scratch[:n]
+                        out[i, n:k] = -1
+                        out[i, k + COUNT_COLUMN] = n
+                        out[i, k + MATCH_COLUMN] = m
+                        out[i, k + GLOBAL_COLUMN] = tree
                         scores[i] = score
                 node = nodes[node, LINK]
                 m -= 1
@@ -176,46 +173,40 @@ def _kernel() -> Callable[..., None]:
 def suffix_drafts(
     local: SuffixTree,
     active: np.ndarray,  # [B, D + 1] int32
-    num_active: np.ndarray,  # [B] int64
-    global_tree: SuffixTree | None,
+    state: np.ndarray,  # [B, 3] int64
     tokens: np.ndarray,  # [B, C] int64: the rows' tokens (left padding, prompt, output)
-    starts: np.ndarray,  # [B] int64: each row's first real token
-    ends: np.ndarray,  # [B] int64: one past each row's last token
+    global_tree: SuffixTree | None,
     budgets: np.ndarray,  # [B] int64
     k: int,
     max_spec_factor: float,
     min_token_prob: float,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    out: np.ndarray | None = None,  # [B, k + 3] int64 to write into (reused across steps)
+    scores: np.ndarray | None = None,  # [B] float64
+) -> tuple[np.ndarray, np.ndarray]:
     """
-    Drafts for a batch of rows from their own trees (in `local`, row i's suffix nodes `active[i]`) and a global tree.
+    Drafts for a batch of rows from their own trees (in `local`, row i's suffix nodes `active[i]` and `state[i]`:
+    first real token, end, set entries of `active`) and a global tree; the caller holds the global tree's lock.
 
-    The caller holds the global tree's lock. Returns `drafts` [B, k] int64 (-1 padded), `counts` [B] (drafts per
-    row), `match_lengths` [B] (the m of the winning walk, 0 without drafts), `from_global` [B] bool and `scores`
-    [B] float64 (the winning walk's sum of branch probabilities).
+    Returns `out` [B, k + 3] int64: each row's drafts (-1 padded), then (`COUNT_COLUMN`, `MATCH_COLUMN`,
+    `GLOBAL_COLUMN` after k) its draft count, the match length m of the winning walk (0 without drafts) and 1 when it
+    came from the global tree; and `scores` [B] float64, the winning walk's sum of branch probabilities.
     """
     batch_size = active.shape[0]
-    drafts = np.full((batch_size, k), -1, np.int64)
-    counts = np.zeros(batch_size, np.int64)
-    match_lengths = np.zeros(batch_size, np.int64)
-    from_global = np.zeros(batch_size, np.bool_)
-    scores = np.zeros(batch_size, np.float64)
+    if out is None:
+        out = np.empty((batch_size, k + 3), np.int64)
+        scores = np.empty(batch_size, np.float64)
+    out[:, :k] = -1
+    out[:, k:] = 0
+    scores[:] = 0.0
     if batch_size == 0 or k == 0:
-        return drafts, counts, match_lengths, from_global, scores
-    if global_tree is None:
-        g_nodes, g_keys, g_values, g_root = local.nodes, local.hkeys, local.hvals, -1
-    else:
-        g_nodes, g_keys, g_values, g_root = (
-            global_tree.nodes,
-            global_tree.hkeys,
-            global_tree.hvals,
-            global_tree.roots[0],
-        )
+        return out, scores
+    g_root = -1 if global_tree is None else int(global_tree.roots[0])
+    g = local if global_tree is None else global_tree
     _kernel()(
-        local.nodes, active, num_active, g_nodes, g_keys, g_values, int(g_root), tokens, starts, ends, budgets,
-        local.max_depth, float(max_spec_factor), float(min_token_prob), drafts, counts, match_lengths, from_global,
-        scores,
+        local.nodes, active, state, tokens, g.nodes, g.table, g_root, budgets, local.max_depth,
+        float(max_spec_factor), float(min_token_prob), out, scores,
     )  # fmt: skip
-    return drafts, counts, match_lengths, from_global, scores
+    return out, scores
 
 
 def _reference_walk(

@@ -112,10 +112,11 @@ def test_static_shapes_are_fixed_after_the_prefill(llama, llama_draft, monkeypat
     assert widths == {"target": {5}, "draft": {2, 1}}
 
 
-@pytest.mark.parametrize("method", ["draft", "ngram", "mtp"])
+@pytest.mark.parametrize("method", ["draft", "ngram", "mtp", "suffix"])
 def test_static_path_syncs_the_host_once_per_step(llama, llama_draft, monkeypatch, method):
     """After step 0, a greedy draft-model step, a prompt-lookup step with the constant schedule (the device
-    matcher), or an MTP step (fixed catch-up widths) reads the device from the host once (which rows are done).
+    matcher), an MTP step (fixed catch-up widths) or a suffix-decoding step (drafts planned on the host, the committed
+    tokens carried by the same read) reads the device from the host once (which rows are done).
 
     Every host read of a tensor is counted (`item`, `tolist`, `bool`, `int`, `cpu`, `numpy`), except inside the
     CPU reference sampler, which only runs where there is no GPU (on CUDA the Triton kernels run, and read nothing).
@@ -155,7 +156,7 @@ def test_static_path_syncs_the_host_once_per_step(llama, llama_draft, monkeypatc
         spec = hf_specdec.SpecDecoder(method="mtp", mtp_model=mtp, num_speculative_tokens=3)
     else:
         spec = hf_specdec.SpecDecoder(
-            method="ngram", num_speculative_tokens=4, num_speculative_tokens_schedule="constant"
+            method=method, num_speculative_tokens=4, num_speculative_tokens_schedule="constant"
         )
     spec_generate(target, inputs, spec, max_new_tokens=20, eos_token_id=None, **STATIC)
     monkeypatch.undo()
