@@ -16,8 +16,9 @@ METHODS = ("draft", "ngram", "mtp", "early_exit", "gemma4_assistant", "dflash", 
 #: Methods that draft with the model passed as `draft_model` (a causal LM, a Gemma 4 assistant, a DFlash drafter).
 DRAFT_MODEL_METHODS = ("draft", "gemma4_assistant", "dflash")
 MAX_SPECULATIVE_TOKENS = 32
-#: `num_speculative_tokens` when it is not given: suffix decoding drafts long repeated blocks, the others k = 5.
-DEFAULT_SPECULATIVE_TOKENS = {"suffix": 16}
+#: `num_speculative_tokens` when it is not given: suffix decoding drafts long repeated blocks (24: vLLM's default
+#: there, its tree depth), the others k = 5.
+DEFAULT_SPECULATIVE_TOKENS = {"suffix": 24}
 #: Suffix decoding's settings and their defaults (vLLM's, plus a memory bound in tokens).
 SUFFIX_DEFAULTS = {
     "suffix_max_tree_depth": 24,
@@ -62,7 +63,7 @@ class SpecDecoder:
         early_exit_layers (`int`, *optional*):
             For `method="early_exit"`: how many of the target's first decoder layers draft (1..num_layers - 1).
             Meant for models trained to exit early (e.g. `facebook/layerskip-llama3.2-1B`); any model is exact.
-        num_speculative_tokens (`int`, defaults to 5, 16 for `method="suffix"`):
+        num_speculative_tokens (`int`, defaults to 5, 24 for `method="suffix"`):
             Draft tokens per step, k, in 1..32 (the largest k with `num_speculative_tokens_schedule="adaptive"`,
             the starting k with the heuristic schedules).
         num_speculative_tokens_schedule (`str`, defaults to `"adaptive"`):
