@@ -147,7 +147,7 @@ SUFFIX_SPECS: dict[tuple, Any] = {}
 def generate_batch(
     model: Any,
     tokenizer: Any,
-    texts: list[str],
+    texts: list[str] | list[list[dict[str, str]]],
     method: str,
     *,
     max_new_tokens: int = 64,
@@ -165,7 +165,8 @@ def generate_batch(
 
     Args:
         model, tokenizer: the target model and its tokenizer (left padding).
-        texts (`list[str]`): user prompts; the chat template is applied when the tokenizer has one.
+        texts (`list[str]`): user prompts (or conversations: lists of ``{"role", "content"}`` messages); the chat
+            template is applied when the tokenizer has one.
         method (`str`): ``plain``, ``ngram``, ``draft``, ``mtp`` (or a variant: ``ngram-k4``, ``ngram-adaptive``),
             ``hf-ngram`` or ``hf-draft``. The ``hf-*``
             methods are transformers' own and run one row at a time (transformers supports batch size 1 only).
