@@ -11,7 +11,7 @@ Every method runs each request once per round, interleaved (the order rotates pe
 library state is reset between rounds: the suffix `SpecDecoder` keeps its global tree for the whole run, and the
 adaptive schedule its costs and statistics (so in the agent workload, rounds after the first repeat requests the
 global tree has seen: round 0 is the cold workload). Greedy outputs must equal plain's (checked). Each method gets
-three untimed warm-up calls on another prompt first (the adaptive schedule's first calls time verify widths).
+untimed warm-up calls on another prompt first, until the adaptive schedule has timed its verify widths.
 Speedup of a round = plain's total seconds / the method's, in wall time and in CPU time of the process
 (`time.process_time`: on a machine shared with other work, wall time varies 2x between identical calls, CPU time
 a few percent); the summary gives every round, their median and minimum.
@@ -174,9 +174,11 @@ def main() -> None:
     methods = args.methods.split(",")
     specs = make_specs(args.k)
     warm = [{"role": "user", "content": "Name three colors."}]
-    for method in methods:  # untimed: the adaptive schedule's first calls time the verify widths
-        for _ in range(3):
+    for method in methods[1:]:  # untimed, until the adaptive schedule's first calls have timed the verify widths
+        for _ in range(16):
             run_one(model, tokenizer, warm, method, specs, 16)
+            if not specs[method].last_stats.calibration_time_s:
+                break
     rounds = [AGENT_TURNS] * args.rounds if args.workload == "agent" else specbench_rounds(args.rounds)
     records = []
     for index, turns in enumerate(rounds):
