@@ -54,6 +54,14 @@ AGENT_TURNS: list[tuple[str, str, bool, int]] = [
 ]  # fmt: skip
 
 SPEC_BENCH = "/work/shared/bench/specbench_dev.jsonl"
+#: Untimed warm-up requests, all different (the same request again would be a repeat, which suffix decoding drafts
+#: perfectly: its acceptance statistics would then start out trusting every draft).
+WARM_UP = [
+    "Name three colors.", "What is 2 + 2?", "Say hello in French.", "Name a fruit.", "What day comes after Monday?",
+    "Name two animals.", "What is the capital of Italy?", "Give a synonym for happy.", "Count to five.",
+    "Name a planet.", "What color is the sky?", "Name a musical instrument.", "What is water made of?",
+    "Name a season.", "Spell the word cat.", "Name a vegetable.",
+]  # fmt: skip
 
 
 def specbench_rounds(rounds: int) -> list[list[tuple[str, str, bool, int]]]:
@@ -94,6 +102,7 @@ def run_one(model, tokenizer, messages: list[dict], method: str, specs: dict, ma
         "seconds": seconds,
         "cpu_seconds": cpu_seconds,
         "prompt_tokens": enc["input_ids"].shape[1],
+        "prompt_ids": enc["input_ids"][0].tolist(),
         "acceptance": stats.acceptance_rate if stats else None,
         "accepted": stats.num_accepted_tokens if stats else 0,
     }
@@ -121,6 +130,8 @@ def run_round(model, tokenizer, turns, methods: list[str], specs: dict, round_in
                 "round": round_index, "turn": t, "session": session, "method": method,
                 "new_tokens": len(res["tokens"]), "seconds": res["seconds"], "cpu_seconds": res["cpu_seconds"],
                 "prompt_tokens": res["prompt_tokens"],
+                "tokens": res["tokens"] if method == "plain" else None,  # for offline replays
+                "prompt_ids": res["prompt_ids"] if method == "plain" else None,
                 "acceptance": res["acceptance"], "identical": res["tokens"] == results["plain"]["tokens"],
             })  # fmt: skip
         line = "  ".join(f"{m} {r['seconds']:.1f}s ({r['cpu_seconds']:.1f}s cpu)" for m, r in results.items())
@@ -173,10 +184,9 @@ def main() -> None:
     model, tokenizer = load_smollm2()
     methods = args.methods.split(",")
     specs = make_specs(args.k)
-    warm = [{"role": "user", "content": "Name three colors."}]
     for method in methods[1:]:  # untimed, until the adaptive schedule's first calls have timed the verify widths
-        for _ in range(16):
-            run_one(model, tokenizer, warm, method, specs, 16)
+        for text in WARM_UP:  # distinct requests: a repeated one would teach suffix decoding that drafts never miss
+            run_one(model, tokenizer, [{"role": "user", "content": text}], method, specs, 16)
             if not specs[method].last_stats.calibration_time_s:
                 break
     rounds = [AGENT_TURNS] * args.rounds if args.workload == "agent" else specbench_rounds(args.rounds)
