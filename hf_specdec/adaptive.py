@@ -39,7 +39,10 @@ from hf_specdec.proposers.base import Proposal
 from hf_specdec.ranks import RankAgreement
 from hf_specdec.schedules import SpeculationSchedule
 
-__all__ = ["AcceptanceStats", "AdaptiveSchedule", "StepCosts", "best_width", "context_bucket", "model_serial"]
+__all__ = [
+    "AcceptanceStats", "AdaptiveSchedule", "StepCosts", "best_width", "calibration_widths", "context_bucket",
+    "model_serial",
+]  # fmt: skip
 
 
 def best_width(
@@ -64,6 +67,15 @@ def best_width(
     if best == 0 or rate[best] <= rate[0] * (1 + margin):
         best = 0
     return best + 1, used[:, best]
+
+
+def calibration_widths(max_k: int) -> list[int]:
+    """The verify widths calibration times for drafts of up to `max_k` (dynamic caches): every width up to 9 (small
+    widths cost irregularly on a CPU: a 2-token forward can cost more than a 5-token one), then 13, 17, 25, 33 and
+    k + 1; other widths are interpolated until the loop's own steps measure them. With k = 24 (suffix decoding's
+    default) that is 12 widths to time instead of 25, so calibration ends after half as many calls."""
+    grid = [w for w in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 17, 25, 33) if w <= max_k + 1]
+    return sorted({*grid, max_k + 1})
 
 
 class AcceptanceStats:
@@ -345,7 +357,7 @@ class AdaptiveSchedule(SpeculationSchedule):
         self.static = static
         #: the verify widths a step can have: on static caches 1 (no drafts) or 1 + k (rows with fewer drafts
         #: carry masked slots), so only those two are timed and every drafting step costs the full width
-        self.widths: Sequence[int] = (1, max_k + 1) if static else range(1, max_k + 2)
+        self.widths: Sequence[int] = (1, max_k + 1) if static else calibration_widths(max_k)
         #: static caches: plain steps to measure before their cost is trusted. Calibration times eager forwards,
         #: but captured steps cost far less (a third on an H100 at batch 1), and not in the same proportion for
         #: plain and drafting steps: each kind's cost is taken from its own steady steps (`explore_plain`).

@@ -34,7 +34,7 @@ DEFAULT_STATIC_ENV = "HF_SPECDEC_DEFAULT_STATIC"
 
 #: Methods whose whole step can be captured on the static path (others run eagerly there, so the default keeps them
 #: on the dynamic path).
-CAPTURABLE_METHODS = ("draft", "ngram", "mtp", "early_exit", "eagle3", "dflash", "gemma4_assistant")
+CAPTURABLE_METHODS = ("draft", "ngram", "mtp", "early_exit", "eagle3", "dflash", "gemma4_assistant", "suffix")
 
 #: Why each other method's steps are not captured (what a capture would need: a static-cache port of its state). Every
 #: method is captured now; a new one that is not names its reason here.

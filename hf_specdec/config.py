@@ -12,10 +12,21 @@ from typing import Any
 
 from hf_specdec.metrics import SpecDecodeStats
 
-METHODS = ("draft", "ngram", "mtp", "early_exit", "gemma4_assistant", "dflash", "eagle3")
+METHODS = ("draft", "ngram", "mtp", "early_exit", "gemma4_assistant", "dflash", "eagle3", "suffix")
 #: Methods that draft with the model passed as `draft_model` (a causal LM, a Gemma 4 assistant, a DFlash drafter).
 DRAFT_MODEL_METHODS = ("draft", "gemma4_assistant", "dflash")
 MAX_SPECULATIVE_TOKENS = 32
+#: `num_speculative_tokens` when it is not given: suffix decoding drafts long repeated blocks (24: vLLM's default
+#: there, its tree depth), the others k = 5.
+DEFAULT_SPECULATIVE_TOKENS = {"suffix": 24}
+#: Suffix decoding's settings and their defaults (vLLM's, plus a memory bound in tokens).
+SUFFIX_DEFAULTS = {
+    "suffix_max_tree_depth": 24,
+    "suffix_max_cached_requests": 10_000,
+    "suffix_max_cached_tokens": 100_000,
+    "suffix_max_spec_factor": 1.0,
+    "suffix_min_token_prob": 0.1,
+}
 SCHEDULES = ("constant", "heuristic", "heuristic_transient", "adaptive")
 
 
@@ -52,7 +63,7 @@ class SpecDecoder:
         early_exit_layers (`int`, *optional*):
             For `method="early_exit"`: how many of the target's first decoder layers draft (1..num_layers - 1).
             Meant for models trained to exit early (e.g. `facebook/layerskip-llama3.2-1B`); any model is exact.
-        num_speculative_tokens (`int`, defaults to 5):
+        num_speculative_tokens (`int`, defaults to 5, 24 for `method="suffix"`):
             Draft tokens per step, k, in 1..32 (the largest k with `num_speculative_tokens_schedule="adaptive"`,
             the starting k with the heuristic schedules).
         num_speculative_tokens_schedule (`str`, defaults to `"adaptive"`):
@@ -78,6 +89,22 @@ class SpecDecoder:
             and decode one token per step. A draft model's own `max_position_embeddings` always applies too.
         prompt_lookup_min (`int`, defaults to 1), prompt_lookup_max (`int`, defaults to 4):
             The n-gram sizes searched by `method="ngram"`, longest first.
+        suffix_max_tree_depth (`int`, defaults to 24):
+            `method="suffix"`: the longest string (in tokens) the suffix trees count; a draft is matched on at most
+            this many of the row's last tokens, and past that depth later drafts are predicted from the last
+            `suffix_max_tree_depth - 1` tokens. In 1..128 (each token costs up to this many tree nodes).
+        suffix_max_cached_requests (`int`, defaults to 10000):
+            `method="suffix"`: earlier outputs the global tree keeps (the oldest are taken out first); 0 turns the
+            global tree off (drafts then come from each row's own prompt and output only).
+        suffix_max_cached_tokens (`int`, defaults to 100000):
+            `method="suffix"`: the global tree's memory bound, in tokens over all kept outputs (oldest out first).
+            A token costs at most `suffix_max_tree_depth` nodes of about 64 bytes: about 1.5 KB a token at depth 24
+            on real text, so the default bounds the tree to about 150 MB.
+        suffix_max_spec_factor (`float`, defaults to 1.0):
+            `method="suffix"`: a match of m tokens drafts at most `m * suffix_max_spec_factor` tokens.
+        suffix_min_token_prob (`float`, defaults to 0.1):
+            `method="suffix"`: a draft stops where the product of the tree's branch probabilities along it falls
+            below this (in 0..1).
         seed (`int` or `list[int]`, *optional*):
             Seed of the sampling draws, each in 0..2**63 - 1. An int gives row i of a batch the seed
             `seed + i`; a list gives one seed per row (its length must be the batch size), so the same
@@ -105,17 +132,24 @@ class SpecDecoder:
     draft_tokenizer: Any = None
     mtp_model: Any = None
     early_exit_layers: int | None = None
-    num_speculative_tokens: int = 5
+    num_speculative_tokens: int | None = None  # None: 5, or `DEFAULT_SPECULATIVE_TOKENS[method]`
     num_speculative_tokens_schedule: str = "adaptive"
     draft_confidence_threshold: float | None = None
     max_draft_len: int | None = None
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
+    suffix_max_tree_depth: int = SUFFIX_DEFAULTS["suffix_max_tree_depth"]
+    suffix_max_cached_requests: int = SUFFIX_DEFAULTS["suffix_max_cached_requests"]
+    suffix_max_cached_tokens: int = SUFFIX_DEFAULTS["suffix_max_cached_tokens"]
+    suffix_max_spec_factor: float = SUFFIX_DEFAULTS["suffix_max_spec_factor"]
+    suffix_min_token_prob: float = SUFFIX_DEFAULTS["suffix_min_token_prob"]
     seed: int | list[int] | None = None
     tokenizer: Any = None
     streamer: Any = None
     on_step: Any = None
     last_stats: SpecDecodeStats | None = field(default=None, init=False, repr=False, compare=False)
+    #: `method="suffix"`: the global tree over earlier outputs, kept across calls (`proposers.suffix_cache`)
+    suffix_cache: Any = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.method is None and self.draft_head is not None:
@@ -164,6 +198,8 @@ class SpecDecoder:
                     f"draft_confidence_threshold={self.draft_confidence_threshold} does not apply to a draft with "
                     "another tokenizer (its probabilities are over another vocabulary): drop it."
                 )
+        if self.num_speculative_tokens is None:
+            self.num_speculative_tokens = DEFAULT_SPECULATIVE_TOKENS.get(self.method, 5)
         k = self.num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(
@@ -176,6 +212,7 @@ class SpecDecoder:
             raise ValueError(
                 f"prompt_lookup_min/prompt_lookup_max must be ints with 1 <= min <= max, got min={lo!r}, max={hi!r}."
             )
+        self._check_suffix()
         self._check_seed()
         if self.on_step is not None and not callable(self.on_step):
             raise ValueError(
@@ -230,6 +267,40 @@ class SpecDecoder:
                 f"first layers that draft), got {layers!r}: e.g. early_exit_layers=4."
             )
 
+    def _check_suffix(self) -> None:
+        if self.method != "suffix":
+            changed = [name for name, default in SUFFIX_DEFAULTS.items() if getattr(self, name) != default]
+            if changed:
+                raise ValueError(
+                    f"SpecDecoder(method={self.method!r}) was also given {', '.join(changed)}, which only "
+                    "method='suffix' uses: drop them, or use method='suffix'."
+                )
+            return
+
+        def integer(name: str, low: int, high: int | None, hint: str) -> None:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low or (high and value > high):
+                bounds = f"in {low}..{high}" if high else f">= {low}"
+                raise ValueError(f"{name} must be an int {bounds}, got {value!r}: {hint}")
+
+        integer("suffix_max_tree_depth", 1, 128, "vLLM's default is 24 (each token costs up to this many tree nodes).")
+        integer("suffix_max_cached_requests", 0, None, "earlier outputs kept in the global tree; 0 turns it off.")
+        integer(
+            "suffix_max_cached_tokens", 0, None, "the global tree's bound in tokens (default 100000, about 150 MB)."
+        )
+        factor = self.suffix_max_spec_factor
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 64:
+            raise ValueError(
+                f"suffix_max_spec_factor must be a number in (0, 64], got {factor!r}: a match of m tokens drafts at "
+                "most m * suffix_max_spec_factor tokens (vLLM's default is 1.0)."
+            )
+        prob = self.suffix_min_token_prob
+        if isinstance(prob, bool) or not isinstance(prob, (int, float)) or not 0 <= prob <= 1:
+            raise ValueError(
+                f"suffix_min_token_prob must be a probability in [0, 1], got {prob!r}: drafts stop where the tree's "
+                "branch probability falls below it (vLLM's default is 0.1)."
+            )
+
     def _check_seed(self) -> None:
         def valid(s: Any) -> bool:
             return isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 2**63
@@ -257,6 +328,7 @@ class SpecDecoder:
             "streamer",
             "on_step",
             "last_stats",
+            "suffix_cache",
         }
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
 

@@ -454,14 +454,20 @@ class SpeculativeLoop:
         self.stream()
 
     def _freeze(self, newly_done: torch.Tensor) -> None:  # [B] bool
-        """Copy out the rows that just finished and freeze them. The step's one host read: [3, B] ints, plus the
-        write offset of every static cache (so that no forward has to read one to know whether it fits)."""
+        """Copy out the rows that just finished and freeze them. The step's one host read: [3, B] ints, the write
+        offset of every static cache (so that no forward has to read one to know whether it fits), and the rows a
+        proposer that drafts on the host asks for (`Proposer.host_rows`: suffix decoding's committed tokens)."""
         views = self.static.views
         offsets = torch.stack([view.offset for view in views]).expand(len(self.batch.lengths), -1).T  # [n, B]
         rows_info = torch.stack([newly_done.long(), self.batch.row_ids, self.batch.lengths])  # [3, B]
-        done, row_ids, lengths, *view_offsets = torch.cat([rows_info, offsets]).tolist()
+        proposer_rows = self.proposer.host_rows(self.batch)  # [r, B] or None
+        parts = [rows_info, offsets] if proposer_rows is None else [rows_info, offsets, proposer_rows.long()]
+        done, row_ids, lengths, *rest = torch.cat(parts).tolist()
+        view_offsets = rest[: len(views)]
         for view, offset in zip(views, view_offsets):
             view.offset_bound = offset[0] if offset else 0
+        if proposer_rows is not None:
+            self.proposer.read_host_rows(lengths, rest[len(views) :])
         rows = [i for i, d in enumerate(done) if d]
         for i in rows:
             self.sequences[row_ids[i], : lengths[i]] = self.batch.token_ids[i, : lengths[i]]

@@ -478,3 +478,14 @@ def test_a_drafting_cost_measured_too_high_is_measured_again(monkeypatch):
     reprobe = later.index("d")
     assert reprobe <= AdaptiveSchedule.REPROBE_AFTER + 1, later
     assert later[reprobe + 10 :].count("d") >= 0.9 * len(later[reprobe + 10 :]), later
+
+
+def test_calibration_times_every_small_width_and_a_sparse_grid_above():
+    from hf_specdec.adaptive import calibration_widths
+
+    assert calibration_widths(5) == [1, 2, 3, 4, 5, 6]
+    assert calibration_widths(8) == list(range(1, 10))
+    assert calibration_widths(24) == [*range(1, 10), 13, 17, 25]
+    assert calibration_widths(30) == [*range(1, 10), 13, 17, 25, 31]
+    schedule = AdaptiveSchedule(24, None, "suffix:test", propose_first=True)
+    assert list(schedule.widths) == calibration_widths(24)

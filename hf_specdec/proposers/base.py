@@ -120,5 +120,13 @@ class Proposer(ABC):
     def after_step(self) -> None:  # noqa: B027
         """Called after every step, outside its device work: host-side learning from the step's outcome."""
 
+    def host_rows(self, batch: RaggedBatch) -> torch.Tensor | None:  # [r, B] int64 on batch.device
+        """Static caches: rows of device values a proposer that drafts on the host needs after each step; the
+        loop reads them with the step's one host read and hands them to `read_host_rows`. None: nothing."""
+        return None
+
+    def read_host_rows(self, lengths: list[int], rows: list[list[int]]) -> None:  # noqa: B027
+        """The values `host_rows` asked for (`rows`, r lists of B), with the rows' lengths after the step."""
+
     def select_rows(self, keep: torch.Tensor) -> None:  # noqa: B027
         """Keep only rows `keep` ([B'] int64 indices into the current batch): the others finished."""

@@ -98,6 +98,12 @@ class Top1Proposer(Proposer):
     def after_step(self) -> None:
         self.inner.after_step()
 
+    def host_rows(self, batch: RaggedBatch) -> torch.Tensor | None:
+        return self.inner.host_rows(batch)
+
+    def read_host_rows(self, lengths: list[int], rows: list[list[int]]) -> None:
+        self.inner.read_host_rows(lengths, rows)
+
     def propose(
         self,
         batch: RaggedBatch,

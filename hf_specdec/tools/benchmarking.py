@@ -1,7 +1,8 @@
 """Run decoding methods over prompts and measure them the way Spec-Bench does.
 
-`generate_batch` runs one method (``plain``, hf_specdec's ``ngram`` / ``draft`` / ``mtp``, or transformers' own
-``hf-ngram`` prompt lookup / ``hf-draft`` assisted decoding) on a batch and times it; `run_benchmark` loops it over
+`generate_batch` runs one method (``plain``, hf_specdec's ``ngram`` / ``draft`` / ``mtp`` / ``suffix``, or transformers'
+own ``hf-ngram`` prompt lookup / ``hf-draft`` assisted decoding) on a batch and times it (``suffix`` keeps one
+`SpecDecoder` per settings for the process, as a user would: its global tree of earlier outputs lives there); `run_benchmark` loops it over
 prompts grouped by category and `summarize` aggregates tokens/s, speedup over ``plain``, acceptance rate, mean
 accepted length and tokens per target forward per category and overall. `save_results` writes JSON and
 `plot_speedup` a matplotlib bar chart.
@@ -30,7 +31,7 @@ __all__ = [
 #: Variants of the hf_specdec methods: a bare name (``ngram``) is the library's default, the adaptive schedule with
 #: k in 0..``k``, as is ``ngram-adaptive``; ``ngram-k4`` is a fixed k = 4 (overriding ``k``); ``ngram-heuristic``
 #: HF's heuristic schedule from ``k``; likewise for ``draft`` and ``mtp``.
-SPEC_METHODS = ("ngram", "draft", "mtp")
+SPEC_METHODS = ("ngram", "draft", "mtp", "suffix")
 HF_METHODS = ("hf-ngram", "hf-draft")
 METHODS = ("plain", *SPEC_METHODS, *HF_METHODS, "hf-stock")
 
@@ -138,10 +139,15 @@ def _stats_dict(stats: Any) -> dict[str, Any] | None:
     return {k: getattr(stats, k, None) for k in keys}
 
 
+#: `suffix` variants' SpecDecoders, one per settings, kept for the process: each keeps its global tree of earlier
+#: outputs across calls (a benchmark that made a new one per call would measure a user who throws it away).
+SUFFIX_SPECS: dict[tuple, Any] = {}
+
+
 def generate_batch(
     model: Any,
     tokenizer: Any,
-    texts: list[str],
+    texts: list[str] | list[list[dict[str, str]]],
     method: str,
     *,
     max_new_tokens: int = 64,
@@ -159,7 +165,8 @@ def generate_batch(
 
     Args:
         model, tokenizer: the target model and its tokenizer (left padding).
-        texts (`list[str]`): user prompts; the chat template is applied when the tokenizer has one.
+        texts (`list[str]`): user prompts (or conversations: lists of ``{"role", "content"}`` messages); the chat
+            template is applied when the tokenizer has one.
         method (`str`): ``plain``, ``ngram``, ``draft``, ``mtp`` (or a variant: ``ngram-k4``, ``ngram-adaptive``),
             ``hf-ngram`` or ``hf-draft``. The ``hf-*``
             methods are transformers' own and run one row at a time (transformers supports batch size 1 only).
@@ -218,7 +225,11 @@ def generate_batch(
                     spec_kwargs["draft_model"] = draft_model
                 if base == "ngram":
                     spec_kwargs.update(prompt_lookup_min=prompt_lookup_min, prompt_lookup_max=prompt_lookup_max)
-                spec = hf_specdec.SpecDecoder(**spec_kwargs)
+                if base == "suffix":
+                    key = tuple(sorted((k_, str(v)) for k_, v in spec_kwargs.items()))
+                    spec = SUFFIX_SPECS.setdefault(key, hf_specdec.SpecDecoder(**spec_kwargs))
+                else:
+                    spec = hf_specdec.SpecDecoder(**spec_kwargs)
                 out = model.generate(
                     **enc, **gen_kwargs, custom_generate=hf_specdec.generate, spec_decoder=spec,
                     spec_streamer=streamer, spec_tokenizer=tokenizer,

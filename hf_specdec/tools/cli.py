@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "has one) and print them with the decoding statistics.")  # fmt: skip
     gen.set_defaults(subparser=gen)
     _add_model_args(gen, model_required=True)
-    gen.add_argument("--method", default=None, choices=["ngram", "draft", "mtp", "plain"],
+    gen.add_argument("--method", default=None, choices=["ngram", "draft", "mtp", "suffix", "plain"],
                      help="speculation method (default: draft with --draft, else ngram; plain = no speculation)")  # fmt: skip
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", metavar="TEXT", help="one prompt")
@@ -150,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--limit", type=_bounded_int(1, None, "--limit"), default=None, metavar="N",
                        help="at most N prompts per category")  # fmt: skip
     bench.add_argument("--methods", default="plain,ngram", metavar="M,...",
-                       help="comma list of plain, ngram, draft, mtp, hf-ngram, hf-draft, hf-stock (transformers' own "
+                       help="comma list of plain, ngram, draft, mtp, suffix, hf-ngram, hf-draft, hf-stock (transformers' own "
                             "prompt lookup, plus assisted decoding when a draft is given); default: plain,ngram")  # fmt: skip
     bench.add_argument("--batch-size", type=_bounded_int(1, None, "--batch-size"), default=1, metavar="N",
                        help="rows per generate call (hf-* methods always run one row at a time)")  # fmt: skip

@@ -1,9 +1,11 @@
-"""The ``hf-specdec demo``: plain greedy decoding vs hf_specdec prompt lookup on SmolLM2, side by side, honestly timed.
+"""The ``hf-specdec demo``: plain greedy decoding vs hf_specdec on SmolLM2, side by side, honestly timed.
 
 For each built-in prompt (four whose answers copy from the prompt, one chat question whose answer copies nothing)
 the demo times plain `model.generate` and hf_specdec's n-gram speculation (the adaptive schedule unless told
-otherwise) as the median of several interleaved runs after a warm-up, streams the first speculative answer, and
-prints a table (tok/s, speedup, acceptance, mean accepted length, identical outputs), an overall row and a one-line
+otherwise) as the median of several interleaved runs after a warm-up. Two more rows run suffix decoding, where it
+shines: the chat question's second turn (its first answer is in the conversation; timed the first time it is
+asked) and a request made again (an agent's retry). It streams the first speculative answer of each row and prints
+a table (tok/s, speedup, acceptance, mean accepted length, identical outputs), an overall row and a one-line
 verdict. `print_table` is shared with the CLI (rich when installed, plain text otherwise).
 """
 
@@ -17,7 +19,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from hf_specdec.tools.benchmarking import generate_batch, warm_up
-from hf_specdec.tools.prompts import DEMO_PROMPTS, Prompt
+from hf_specdec.tools.prompts import DEMO_PROMPTS, SUFFIX_DEMO_PROMPTS, Prompt
 
 __all__ = ["DemoRow", "overall", "print_table", "run_demo", "verdict"]
 
@@ -67,13 +69,14 @@ class DemoRow:
     acceptance_rate: float
     mean_accepted_length: float
     identical: bool  # every speculative output equals plain's, token for token
+    kind: str | None = None  # the answer's kind in the table (None: from `copies`)
 
     @property
     def speedup(self) -> float:
         return self.plain_s / self.spec_s
 
     def cells(self) -> list[Any]:
-        kind = {True: "copies input", False: "free text", None: "-"}[self.copies]
+        kind = self.kind or {True: "copies input", False: "free text", None: "-"}[self.copies]
         return [
             self.prompt, kind, self.new_tokens / self.plain_s, self.new_tokens / self.spec_s, f"{self.speedup:.2f}x",
             self.acceptance_rate, self.mean_accepted_length, self.identical,
@@ -122,6 +125,23 @@ def note(schedule: str) -> str:
         f"A speedup below 1.00x means slower than plain decoding: the {schedule!r} schedule drafts whether or not it "
         "pays; the default, --schedule adaptive, speculates only where it does."
     )
+
+
+#: The suffix-decoding rows' most drafts per step (`SpecDecoder(method="suffix")`'s default).
+SUFFIX_K = 24
+
+
+def _conversation(model: Any, tokenizer: Any, prompt: Prompt, method: str, settings: dict[str, Any]) -> Any:
+    """The row's request: its text, or, with earlier turns, the conversation (their answers generated first, with
+    the row's method, untimed) ending with it."""
+    if not prompt.history:
+        return prompt.text
+    messages: list[dict[str, str]] = []
+    for turn in prompt.history:
+        messages.append({"role": "user", "content": turn})
+        answer = generate_batch(model, tokenizer, [list(messages)], method, **settings).completions[0]
+        messages.append({"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)})
+    return [*messages, {"role": "user", "content": prompt.text}]
 
 
 @contextmanager
@@ -179,17 +199,30 @@ def run_demo(
 
         print("Loading SmolLM2-135M-Instruct (offline; the first load dequantises the GGUF file)...", file=file)
         model, tokenizer = load_smollm2(device=device)
-    prompts = prompts or DEMO_PROMPTS
-    spec_method = "ngram-" + (schedule if schedule != "constant" else f"k{k}")
+    prompts = prompts or [*DEMO_PROMPTS, *SUFFIX_DEMO_PROMPTS]
+    variant = schedule if schedule != "constant" else f"k{k}"
+    spec_method = f"ngram-{variant}"
     settings = {"max_new_tokens": max_new_tokens, "k": k}
+    # Suffix decoding drafts long repeated blocks: its own default k (24), one kept SpecDecoder for the whole demo.
+    suffix = {"method": f"suffix-{variant if schedule != 'constant' else 'k24'}", "k": SUFFIX_K}
+    methods = [("plain", settings), (spec_method, settings)]
+    if any(p.method == "suffix" for p in prompts):
+        methods.append((suffix["method"], {**settings, "k": suffix["k"]}))
     with _status("Warming up (the adaptive schedule's first calls also time the verify widths)...", file):
-        calibration_s = sum(warm_up(model, tokenizer, [prompts[0].text], m, **settings) for m in ("plain", spec_method))
+        calibration_s = sum(warm_up(model, tokenizer, [prompts[0].text], m, **kw) for m, kw in methods)
     rows: list[DemoRow] = []
     for prompt in prompts:
-        print(f"\n=== {prompt.category}: {prompt.text.splitlines()[0][:80]}", file=file)
+        row_method, row_settings = (
+            (suffix["method"], {**settings, "k": suffix["k"]}) if prompt.method == "suffix" else (spec_method, settings)
+        )
+        label = f"{prompt.category} [suffix]" if prompt.method == "suffix" else prompt.category
+        print(f"\n=== {label}: {prompt.text.splitlines()[0][:80]}", file=file)
+        request = _conversation(model, tokenizer, prompt, row_method, row_settings)
+        if prompt.repeat:  # the first time this request is made (untimed): the timed runs repeat it
+            generate_batch(model, tokenizer, [request], row_method, **row_settings)
         plain_runs, spec_runs = [], []
         for run in range(repeats):  # interleaved, the order alternating so that a drift favours neither
-            for method in ("plain", spec_method) if run % 2 == 0 else (spec_method, "plain"):
+            for method in ("plain", row_method) if run % 2 == 0 else (row_method, "plain"):
                 streamer = None
                 if method == "plain":
                     status = _status(f"plain generate (not streamed), run {run + 1}/{repeats}...", file)
@@ -202,32 +235,43 @@ def run_demo(
                 else:
                     status = _status(f"hf_specdec, run {run + 1}/{repeats}...", file)
                 with status:
-                    result = generate_batch(model, tokenizer, [prompt.text], method, streamer=streamer, **settings)
+                    result = generate_batch(model, tokenizer, [request], method, streamer=streamer, **row_settings)
                 (plain_runs if method == "plain" else spec_runs).append(result)
         if not stream:
             print(tokenizer.decode(spec_runs[0].completions[0], skip_special_tokens=True), file=file)
         stats = spec_runs[0].stats or {}
+        # Suffix decoding remembers its answers: a row that is not a repeat counts only its first (new) request.
+        first_only = prompt.method == "suffix" and not prompt.repeat
         rows.append(
             DemoRow(
-                prompt=prompt.category,
+                prompt=label,
                 copies=prompt.copies,
                 new_tokens=plain_runs[0].new_tokens,
                 plain_s=statistics.median(r.wall_time_s for r in plain_runs),
-                spec_s=statistics.median(r.wall_time_s for r in spec_runs),
+                spec_s=spec_runs[0].wall_time_s if first_only else statistics.median(r.wall_time_s for r in spec_runs),
                 acceptance_rate=stats.get("acceptance_rate", 0.0),
                 mean_accepted_length=stats.get("mean_accepted_length", 1.0),
                 identical=all(r.completions == plain_runs[0].completions for r in plain_runs + spec_runs),
+                kind=prompt.kind,
             )
         )
     total = overall(rows)
     print(file=file)
     headers = ["prompt", "answer", "tok/s plain", "tok/s spec", "speedup", "acceptance", "mean acc. len", "identical"]
-    label = "SmolLM2-135M" if loaded else type(model).__name__
-    title = f"{label} greedy: plain vs hf_specdec prompt lookup ({schedule} schedule, k <= {k})"
+    name = "SmolLM2-135M" if loaded else type(model).__name__
+    title = f"{name} greedy: plain vs hf_specdec prompt lookup ({schedule} schedule, k <= {k})"
+    if len(methods) > 2:
+        title += f", [suffix]: suffix decoding (k <= {suffix['k']})"
     print_table(title, headers, [r.cells() for r in [*rows, total]], file=file)
     print(
         f"{max_new_tokens} new tokens at most per prompt; times are medians of {repeats} interleaved runs.", file=file
     )
+    if len(methods) > 2:
+        print(
+            "[suffix] rows: suffix decoding keeps a tree of earlier answers across calls. A row that is not asked "
+            "before counts only its first request (later runs repeat it); 'asked before' times the request again.",
+            file=file,
+        )
     line = verdict(rows)
     print(line, file=file)
     print(note(schedule), file=file)

@@ -12,18 +12,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DEMO_PROMPTS", "Prompt", "encode_batch", "format_prompt", "read_prompts"]
+__all__ = ["DEMO_PROMPTS", "SUFFIX_DEMO_PROMPTS", "Prompt", "encode_batch", "format_prompt", "read_prompts"]
 
 
 @dataclass
 class Prompt:
     """One user prompt: its text, its category (``"default"`` when the file has none), an id, and for the demo's
-    prompts what kind of answer it asks for (``copies`` says whether the answer quotes the prompt)."""
+    prompts what kind of answer it asks for (``copies`` says whether the answer quotes the prompt).
+
+    Demo rows may also name earlier user turns of the same conversation (``history``: their answers are generated
+    first, untimed), their own speculative method (``method``, e.g. ``"suffix"``; None: the demo's), whether the
+    same request was made once before (``repeat``: the row then times a request seen before), and the label of the
+    answer's kind in the table (``kind``)."""
 
     text: str
     category: str = "default"
     question_id: str | int | None = None
     copies: bool | None = None
+    history: tuple[str, ...] = ()
+    method: str | None = None
+    repeat: bool = False
+    kind: str | None = None
 
 
 _ARTICLE = (
@@ -101,6 +110,30 @@ DEMO_PROMPTS: list[Prompt] = [
     ),
 ]
 
+#: The demo's suffix-decoding rows: where it shines. Suffix decoding (`method="suffix"`) also drafts from a tree
+#: of earlier outputs that its `SpecDecoder` keeps across calls, so a conversation's second turn, which reuses the
+#: first answer, and a request an agent makes again, are where it pays beyond prompt lookup.
+SUFFIX_DEMO_PROMPTS: list[Prompt] = [
+    Prompt(
+        "Repeat your three tips word for word, then add one more tip.",
+        category="chat, 2nd turn",
+        question_id="chat-2nd-turn",
+        copies=True,
+        history=(DEMO_PROMPTS[-1].text,),
+        method="suffix",
+        kind="reuses turn 1",
+    ),
+    Prompt(
+        DEMO_PROMPTS[3].text,
+        category="code-refactor, again",
+        question_id="code-refactor-again",
+        copies=True,
+        method="suffix",
+        repeat=True,
+        kind="asked before",
+    ),
+]
+
 
 def read_prompts(path: str | Path, categories: list[str] | None = None, limit: int | None = None) -> list[Prompt]:
     """Read prompts from a JSONL file.
@@ -159,17 +192,18 @@ def read_prompts(path: str | Path, categories: list[str] | None = None, limit: i
     return prompts
 
 
-def format_prompt(tokenizer: Any, text: str) -> str:
-    """Wrap `text` as a single user turn with the tokenizer's chat template, or return it unchanged if it has none."""
+def format_prompt(tokenizer: Any, text: str | list[dict[str, str]]) -> str:
+    """Wrap `text` as a single user turn with the tokenizer's chat template (or a conversation, a list of
+    ``{"role", "content"}`` messages ending with the user's), or return it as plain text if there is none."""
+    messages = [{"role": "user", "content": text}] if isinstance(text, str) else text
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
-        )
-    return text
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return "\n".join(m["content"] for m in messages)
 
 
-def encode_batch(tokenizer: Any, texts: list[str], device: Any = "cpu") -> dict[str, Any]:
-    """Chat-format and left-pad `texts` into ``input_ids`` / ``attention_mask`` tensors on `device`."""
+def encode_batch(tokenizer: Any, texts: list[str] | list[list[dict[str, str]]], device: Any = "cpu") -> dict[str, Any]:
+    """Chat-format and left-pad `texts` (user prompts, or conversations) into ``input_ids`` / ``attention_mask``
+    tensors on `device`."""
     formatted = [format_prompt(tokenizer, t) for t in texts]
     has_template = bool(getattr(tokenizer, "chat_template", None))
     # A chat template already inserts the special tokens it needs.

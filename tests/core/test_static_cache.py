@@ -112,12 +112,15 @@ def test_static_shapes_are_fixed_after_the_prefill(llama, llama_draft, monkeypat
     assert widths == {"target": {5}, "draft": {2, 1}}
 
 
-@pytest.mark.parametrize("method", ["draft", "ngram", "mtp", "early_exit", "eagle3", "dflash", "gemma4_assistant"])
+@pytest.mark.parametrize(
+    "method", ["draft", "ngram", "mtp", "early_exit", "eagle3", "dflash", "gemma4_assistant", "suffix"]
+)
 def test_static_path_syncs_the_host_once_per_step(llama, llama_draft, monkeypatch, method):
     """After step 0, a greedy draft-model step, a prompt-lookup step with the constant schedule (the device
     matcher), an MTP step (fixed catch-up widths), an early-exit step, or a step of a drafter fed the target's states
-    (EAGLE-3, DFlash, Gemma 4 assistant: the context fed at the verify's width) reads the device from the host once
-    (which rows are done).
+    (EAGLE-3, DFlash, Gemma 4 assistant: the context fed at the verify's width), or a suffix-decoding step (drafts
+    planned on the host, the committed tokens carried by the same read) reads the device from the host once (which
+    rows are done).
 
     Every host read of a tensor is counted (`item`, `tolist`, `bool`, `int`, `cpu`, `numpy`), except inside the
     CPU reference sampler, which only runs where there is no GPU (on CUDA the Triton kernels run, and read nothing).
@@ -171,7 +174,7 @@ def test_static_path_syncs_the_host_once_per_step(llama, llama_draft, monkeypatc
         spec = hf_specdec.SpecDecoder(draft_model=make_gemma4_assistant(target, echo=0.7), num_speculative_tokens=3)
     else:
         spec = hf_specdec.SpecDecoder(
-            method="ngram", num_speculative_tokens=4, num_speculative_tokens_schedule="constant"
+            method=method, num_speculative_tokens=4, num_speculative_tokens_schedule="constant"
         )
     spec_generate(target, inputs, spec, max_new_tokens=20, eos_token_id=None, **STATIC)
     monkeypatch.undo()

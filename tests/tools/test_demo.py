@@ -62,3 +62,33 @@ def test_configure_threads_keeps_a_request_and_warns_past_the_free_cores(monkeyp
         assert torch.get_num_threads() == 1 and line.startswith("torch threads: 1 (2 cores, load 1.4)")
     finally:
         torch.set_num_threads(before)
+
+
+def test_suffix_rows_run_a_conversation_and_a_repeated_request(capsys: pytest.CaptureFixture):
+    """The demo's suffix-decoding rows: a second turn (the first answer generated before, untimed) and a request made
+    again; outputs equal plain's, the rows are labelled, and the repeat is drafted from the kept tree."""
+    from hf_specdec.tools import benchmarking
+
+    model, tokenizer = make_model("llama", seed=0), make_tokenizer()
+    prompts = [
+        Prompt("a b c d e f g", "second", copies=True, history=("c d e f g a b",), method="suffix", kind="reuses"),
+        Prompt("h i j k l m n", "again", copies=True, method="suffix", repeat=True, kind="asked before"),
+    ]
+    benchmarking.SUFFIX_SPECS.clear()
+    rows = run_demo(  # a constant k: the adaptive schedule's choices depend on this machine's timings
+        max_new_tokens=12,
+        k=3,
+        schedule="constant",
+        repeats=2,
+        model=model,
+        tokenizer=tokenizer,
+        prompts=prompts,
+        stream=False,
+    )
+    assert [r.prompt for r in rows] == ["second [suffix]", "again [suffix]"] and all(r.identical for r in rows)
+    assert rows[1].acceptance_rate > 0.5  # its answer is in the global tree
+    text = capsys.readouterr().out
+    assert "below 1.00x means slower" in text
+    assert "[suffix] rows: suffix decoding keeps a tree of earlier answers" in text and "asked before" in text
+    (spec,) = benchmarking.SUFFIX_SPECS.values()
+    assert spec.suffix_cache.num_requests >= 6  # warm-ups, the first turn, the first request, the timed runs
