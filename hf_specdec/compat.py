@@ -8,6 +8,8 @@ module, not across the package. Covered: transformers 5.17 (the GPU image) to 5.
 from __future__ import annotations
 
 import inspect
+import itertools
+import types
 import weakref
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -144,11 +146,26 @@ def _guarded_compile(
     known = calls.get(key)
     if known is not None and known[0] == guard:
         return known[1]
-    # A guard that changed needs a compile of its own: a new torch.compile object, whose backend dynamo's cached
-    # entries (compiled under the old hooks) do not match.
-    call = first() if known is None and first is not None else torch.compile(model.__call__, **settings)
+    # A guard that changed needs a trace of its own: dynamo keeps compiled code per code object, and its cached
+    # entries for `Module.__call__` (traced under the old hooks, which it does not guard by default) would match.
+    if known is None and first is not None:
+        call = first()
+    else:
+        call = torch.compile(_fresh_call(model) if known is not None else model.__call__, **settings)
     calls[key] = (guard, call)
     return call
+
+
+_FRESH_CALLS = itertools.count()
+
+
+def _fresh_call(model: torch.nn.Module) -> Callable:
+    """`model.__call__` (`torch.nn.Module._wrapped_call_impl`) through a code object of its own, which no compiled
+    code was cached for."""
+    impl = torch.nn.Module._wrapped_call_impl
+    code = impl.__code__.replace(co_name=f"{impl.__name__}_hf_specdec_{next(_FRESH_CALLS)}")
+    function = types.FunctionType(code, impl.__globals__, code.co_name, impl.__defaults__, impl.__closure__)
+    return types.MethodType(function, model)
 
 
 def forget_compiled(model: torch.nn.Module) -> None:

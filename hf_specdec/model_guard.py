@@ -17,7 +17,7 @@ import contextvars
 import itertools
 import threading
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -81,20 +81,30 @@ class Fingerprint:
 
     def difference(self, other: Fingerprint, models: list[torch.nn.Module]) -> str | None:
         """The first thing that differs from `other` (an earlier fingerprint of `models`), in words; None if equal."""
-        if self == other:
-            return None
+        try:
+            if self == other:
+                return None
+        except Exception:  # noqa: BLE001 - a value whose comparison fails (an array's `==`) differs
+            pass
         paths = ["<torch global hooks>", *module_paths(models)]
         for part in _PARTS:
             mine, theirs = getattr(self, part), getattr(other, part)
-            if mine == theirs:
+            if _equal(mine, theirs):
                 continue
             offset = 0 if part == "hooks" else 1  # the hooks' first entry is torch's global ones
             for index, (new, old) in enumerate(zip(mine, theirs)):
-                if new != old:
+                if not _equal(new, old):
                     where = paths[index + offset] if index + offset < len(paths) else f"module {index}"
                     return f"{part} of {where or '<model>'}: {_first_change(new, old)}"
             return f"{part}: {len(theirs)} entries before, {len(mine)} now"
         return "changed"
+
+
+def _equal(a: object, b: object) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - a value whose comparison fails differs
+        return False
 
 
 def _first_change(new: object, old: object) -> str:
@@ -102,7 +112,9 @@ def _first_change(new: object, old: object) -> str:
     if isinstance(new, tuple) and isinstance(old, tuple):
         for a, b in zip(new, old):
             if a != b:
-                return repr(a[0] if isinstance(a, tuple) and a else a)
+                if isinstance(a, tuple) and a and isinstance(a[0], str):
+                    return repr(a[0])  # a (name, ...) entry
+                return _first_change(a, b)
         return "entries added" if len(new) > len(old) else "entries removed"
     return "changed"
 
@@ -122,6 +134,19 @@ def _modules_in_order(models: list[torch.nn.Module]) -> list[tuple[str, torch.nn
 
 def module_paths(models: list[torch.nn.Module]) -> list[str]:
     return [path for path, _ in _modules_in_order(models)]
+
+
+#: types whose values stand in a fingerprint as themselves (compared by identity, then value): not a container, a
+#: tensor or a config, which can change in place and are read apart
+_AS_IS_TYPES: set[type] = set()
+_READ_APART = (tuple, list, set, frozenset, dict, torch.Tensor, PretrainedConfig)
+
+
+def _learn(kinds: set[type]) -> bool:
+    """Whether every type in `kinds` stands as itself (remembering those that do)."""
+    fine = {kind for kind in kinds if not issubclass(kind, _READ_APART)}
+    _AS_IS_TYPES.update(fine)
+    return len(fine) == len(kinds)
 
 
 def _read(model: torch.nn.Module) -> tuple[list, list, list, list]:
@@ -154,13 +179,19 @@ def _read(model: torch.nn.Module) -> tuple[list, list, list, list]:
                                for kind in _HOOKS if state.get(kind)))  # fmt: skip
         else:  # the with_kwargs tables only mark hooks that are in these two
             hooks.append(())
+        # A module's `__dict__` starts with torch's own entries (`Module.__init__`); what follows are its own
+        # attributes. When none of them is a container, a tensor or a config, their (name, value) pairs are taken
+        # as they are (built in C; compared by identity, then value); otherwise each is read on its own.
+        torch_first = tuple(itertools.islice(state, _NUM_INTERNAL)) == _INTERNAL
+        if torch_first and "_compiled_call" not in state:
+            kinds = set(map(type, itertools.islice(state.values(), _NUM_INTERNAL, None)))
+            if kinds <= _AS_IS_TYPES or _learn(kinds):
+                tensors.append(tuple(own))
+                items = tuple(itertools.islice(state.items(), _NUM_INTERNAL, None))
+                attributes.append((("training", state["training"]), items))
+                continue
         values: list[tuple] = [("training", state["training"])]
-        # A module's `__dict__` starts with torch's own entries (`Module.__init__`): skip them in C when it does.
-        if tuple(itertools.islice(state, _NUM_INTERNAL)) == _INTERNAL:
-            items: Iterable = itertools.islice(state.items(), _NUM_INTERNAL, None)
-        else:
-            items = state.items()
-        for key, value in items:
+        for key, value in itertools.islice(state.items(), _NUM_INTERNAL, None) if torch_first else state.items():
             if key in skipped:
                 continue
             if type(value) in plain:

@@ -105,3 +105,25 @@ def test_a_model_version_moves_when_its_fingerprint_changes():
     second = model_version(draft)
     assert second != first and second.split(".")[0] == first.split(".")[0]
     assert model_version(draft) == second
+
+
+def test_a_forward_compiled_under_a_changed_fingerprint_is_traced_anew():
+    """Dynamo keeps compiled code per code object and does not guard what it did not read (or, by default, hooks):
+    under a new fingerprint hf_specdec compiles the model's call through a code object of its own."""
+    from torch._dynamo.utils import counters
+
+    from hf_specdec import compat
+
+    model = make_model("llama", seed=0)
+    ids = torch.tensor([[3, 4, 5]])
+    settings = {"backend": "eager"}
+    first = compat._guarded_compile(model, settings, fingerprint([model]))
+    first(ids)
+    assert compat._guarded_compile(model, settings, fingerprint([model])) is first  # unchanged: the same call
+    traced = counters["stats"]["unique_graphs"]
+    model.model.layers[0].self_attn.unread_flag = True  # the forward never reads it: dynamo's guards still pass
+    second = compat._guarded_compile(model, settings, fingerprint([model]))
+    assert second is not first
+    assert torch.equal(second(ids).logits, model(ids).logits)
+    assert counters["stats"]["unique_graphs"] > traced
+    compat.forget_compiled(model)
