@@ -429,7 +429,7 @@ class SpeculativeLoop:
         done = self.stop_rules.done(batch) | (batch.lengths >= self.max_length)  # [B]
         if self.static is not None:
             self._freeze(done & ~self.frozen)
-        elif self.stop_rules.host is not None or bool(done.any()):
+        elif self.stop_rules.host is not None or done.any():
             rows = torch.stack([done.long(), batch.row_ids, batch.lengths, self.stop_rules.stop_lengths])  # [4, B]
             finished, row_ids, lengths, stops = rows.tolist()
             ending = {i: lengths[i] for i, d in enumerate(finished) if d}  # batch index -> final length
