@@ -21,14 +21,27 @@ from hf_specdec.proposers.eagle3_head import Eagle3Head
 DRAFT_VOCAB = 32_000  # published EAGLE-3 heads for Llama 3 (128k tokens) draft from 32k
 
 
+class _Latest:
+    """Where the embedding leaves the ids of its latest call: one object for the embedding's life, so that the
+    head's modules keep what hf_specdec's kept-graph check reads (`model_guard`) from call to call."""
+
+    ids: torch.Tensor | None = None
+
+
 class RecordingEmbedding(nn.Embedding):
     """The target's embeddings (the same weight), remembering the token ids of their latest call (the ids of the
     tokens the head is fed next)."""
 
-    ids: torch.Tensor | None = None
+    def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+        super().__init__(*args, **kwargs)
+        self.latest = _Latest()
+
+    @property
+    def ids(self) -> torch.Tensor | None:
+        return self.latest.ids
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [B, s] -> [B, s, H]
-        self.ids = ids
+        self.latest.ids = ids
         return super().forward(ids)
 
 

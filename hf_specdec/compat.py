@@ -7,6 +7,7 @@ module, not across the package. Covered: transformers 5.17 (the GPU image) to 5.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 import types
@@ -289,3 +290,25 @@ def tensor_parallel_group(model: torch.nn.Module) -> Any:
     if mesh.ndim > 1 and "tp" in names:
         mesh = mesh["tp"]
     return mesh.get_group()
+
+
+@functools.cache
+def sequence_bias_groups_by_length() -> bool:
+    """How `SequenceBiasLogitsProcessor` adds the biases of sequences longer than one token (float sums depend on the
+    order). transformers 5.24 (its `multi_token_biases`): grouped by prefix length, in order of each length's first
+    sequence, a sequence matched once the input holds its prefix. 5.17: one sequence at a time in dict order,
+    matched only once the input holds the whole sequence's length."""
+    from transformers.generation.logits_process import SequenceBiasLogitsProcessor
+
+    return "multi_token_biases" in vars(SequenceBiasLogitsProcessor([[[1, 2], 1.0]]))
+
+
+@functools.cache
+def exponential_penalty_skips_non_finite() -> bool:
+    """Whether `ExponentialDecayLengthPenalty` leaves a non-finite EOS score as it is (transformers 5.24: the penalty
+    is masked to 0 there) or adds |score| * (factor^n - 1) to it anyway (5.17: -inf becomes nan)."""
+    from transformers.generation.logits_process import ExponentialDecayLengthPenalty
+
+    processor = ExponentialDecayLengthPenalty((0, 2.0), 0, 0)
+    scores = processor(torch.zeros(1, 2, dtype=torch.long), torch.tensor([[-float("inf"), 0.0]]))
+    return not bool(scores.isnan().any())

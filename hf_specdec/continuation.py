@@ -109,6 +109,13 @@ class CacheHandoff:
         layers = [(leaving.rows(lay.keys), leaving.rows(lay.values)) for lay in view.cache.layers if lay.is_initialized]
         self.stashes.append(_Stash(row_ids.clone(), view.column_index[rows], view.cached_lengths[rows], layers))
 
+    def cut(self, row_id: int, length: int) -> None:
+        """Caller row `row_id` (stashed) ends at `length` tokens (a host criterion stopped it after it left): hand
+        back only its columns before that; `hand_back` feeds the padding after it, as plain decoding does."""
+        for stash in self.stashes:
+            cut = stash.cached_lengths.clamp(max=length)
+            stash.cached_lengths = torch.where(stash.row_ids.to(cut.device) == row_id, cut, stash.cached_lengths)
+
     def hand_back(self, model: PreTrainedModel, sequences: torch.Tensor) -> DynamicCache:  # sequences [B_total, F]
         """Write into the caller's cache what plain decoding's cache holds after producing `sequences`; return it."""
         width = sequences.shape[1] - 1  # plain decoding never feeds the last token

@@ -55,9 +55,6 @@ def capture_blocker(
     if sampling.per_prefix:
         names = sorted({type(p).__name__ for p in sampling.per_prefix})
         return f"logits processors that read each position's prefix ({names}) run per prefix on the host"
-    if len(stop_rules.general):
-        names = sorted({type(c).__name__ for c in stop_rules.general})
-        return f"stopping criteria {names} (stop strings, max_time, your own) run on the host"
     if not proposer.capturable:
         return "this proposer decides on the host every step"
     if not plans_on_host:
@@ -115,6 +112,7 @@ class SpeculativeLoop:
         # On a static cache rows never leave the batch (a new batch size would be a new graph): finished rows stay,
         # frozen (fed nothing, emit nothing) until every row is done.
         self.frozen = torch.zeros(total, dtype=torch.bool, device=device)  # [B]
+        self.frozen_rows: set[int] = set()  # the same rows, on the host (batch indices)
         self.num_frozen = 0
         self.step_graph: StepGraph | None = None
         if static is None:
@@ -427,54 +425,72 @@ class SpeculativeLoop:
     def retire_finished(self) -> None:
         """Rows that are done leave the batch (their tokens are copied out first); stream what is final.
 
-        On a static cache they stay, frozen. Reading which rows are done is the step's one host sync.
+        On a static cache they stay, frozen. Reading which rows are done is the step's one host sync; the host
+        criteria (`max_time`, your own) are then called on what it read.
         """
         batch = self.batch
         done = self.stop_rules.done(batch) | (batch.lengths >= self.max_length)  # [B]
         if self.static is not None:
             self._freeze(done & ~self.frozen)
-            self.stream()
-            return
-        if done.any():
-            leaving = done.nonzero().squeeze(1)
-            for i in leaving.tolist():
-                row, length = int(batch.row_ids[i]), int(batch.lengths[i])
-                self.sequences[row, :length] = batch.token_ids[i, :length]
-                self.final_lengths[row] = length
-            if self.handoff is not None:
-                self.handoff.stash(self.target, leaving, batch.row_ids[leaving])
-            keep = (~done).nonzero().squeeze(1)
-            batch.select_rows(keep)
-            self.frozen = self.frozen[keep]
-            self.target.select_rows(keep)
-            self.budgets.select_rows(keep)
-            self.proposer.select_rows(keep)
-            self.sampling.select_rows(keep)
-            self.stop_rules.select_rows(keep)
+        elif self.stop_rules.host is not None or done.any():
+            rows = torch.stack([done.long(), batch.row_ids, batch.lengths, self.stop_rules.stop_lengths])  # [4, B]
+            finished, row_ids, lengths, stops = rows.tolist()
+            ending = {i: lengths[i] for i, d in enumerate(finished) if d}  # batch index -> final length
+            if self.stop_rules.host is not None:
+                ending = self.stop_rules.host.settle(self, row_ids, lengths, stops, ending)
+            if ending:
+                self._leave(ending, row_ids)
         self.stream()
 
+    def _leave(self, ending: dict[int, int], row_ids: list[int]) -> None:
+        """Rows `ending` (batch index -> final length) leave the dynamic batch, their tokens copied out first."""
+        batch = self.batch
+        for i, length in ending.items():
+            self.sequences[row_ids[i], :length] = batch.token_ids[i, :length]
+            self.final_lengths[row_ids[i]] = length
+        leaving = torch.tensor(sorted(ending), dtype=torch.long, device=batch.device)  # [n]
+        if self.handoff is not None:
+            self.handoff.stash(self.target, leaving, batch.row_ids[leaving])
+            for i, length in ending.items():  # a row cut by a host criterion hands back only what it kept
+                self.handoff.cut(row_ids[i], length)
+        keep = torch.tensor([i for i in range(batch.batch_size) if i not in ending], dtype=torch.long,
+                            device=batch.device)  # fmt: skip
+        batch.select_rows(keep)
+        self.frozen = self.frozen[keep]
+        self.target.select_rows(keep)
+        self.budgets.select_rows(keep)
+        self.proposer.select_rows(keep)
+        self.sampling.select_rows(keep)
+        self.stop_rules.select_rows(keep)
+
     def _freeze(self, newly_done: torch.Tensor) -> None:  # [B] bool
-        """Copy out the rows that just finished and freeze them. The step's one host read: [3, B] ints, the write
-        offset of every static cache (so that no forward has to read one to know whether it fits), and the rows a
-        proposer that drafts on the host asks for (`Proposer.host_rows`: suffix decoding's committed tokens)."""
+        """Copy out the rows that just finished and freeze them. The step's one host read: [3, B] ints (4 with host
+        criteria: each row's first stop), the write offset of every static cache (so that no forward has to read one
+        to know whether it fits), and the rows a proposer that drafts on the host asks for (`Proposer.host_rows`:
+        suffix decoding's committed tokens)."""
         views = self.static.views
         offsets = torch.stack([view.offset for view in views]).expand(len(self.batch.lengths), -1).T  # [n, B]
-        rows_info = torch.stack([newly_done.long(), self.batch.row_ids, self.batch.lengths])  # [3, B]
+        host = self.stop_rules.host is not None
+        rows_info = [newly_done.long(), self.batch.row_ids, self.batch.lengths]
+        rows_info += [self.stop_rules.stop_lengths] if host else []
         proposer_rows = self.proposer.host_rows(self.batch)  # [r, B] or None
-        parts = [rows_info, offsets] if proposer_rows is None else [rows_info, offsets, proposer_rows.long()]
+        parts = [torch.stack(rows_info), offsets, *([proposer_rows.long()] if proposer_rows is not None else [])]
         done, row_ids, lengths, *rest = torch.cat(parts).tolist()
-        view_offsets = rest[: len(views)]
-        for view, offset in zip(views, view_offsets):
+        stops = rest.pop(0) if host else None
+        for view, offset in zip(views, rest[: len(views)]):
             view.offset_bound = offset[0] if offset else 0
         if proposer_rows is not None:
             self.proposer.read_host_rows(lengths, rest[len(views) :])
-        rows = [i for i, d in enumerate(done) if d]
-        for i in rows:
-            self.sequences[row_ids[i], : lengths[i]] = self.batch.token_ids[i, : lengths[i]]
-            self.final_lengths[row_ids[i]] = lengths[i]
-        if rows:
-            self.frozen |= newly_done
-            self.num_frozen += len(rows)
+        ending = {i: lengths[i] for i, d in enumerate(done) if d}  # batch index -> final length
+        if host:
+            ending = self.stop_rules.host.settle(self, row_ids, lengths, stops, ending)
+        for i, length in ending.items():
+            self.sequences[row_ids[i], :length] = self.batch.token_ids[i, :length]
+            self.final_lengths[row_ids[i]] = length
+        if ending:
+            self.frozen[torch.tensor(sorted(ending), device=self.frozen.device)] = True
+            self.frozen_rows.update(ending)
+            self.num_frozen = len(self.frozen_rows)
 
     def stream(self) -> None:
         """Send the columns that no row can still change to the streamer, one [B] column at a time."""
@@ -485,7 +501,7 @@ class SpeculativeLoop:
         lengths, row_ids, frozen = torch.stack([self.batch.lengths, self.batch.row_ids, self.frozen.long()]).tolist()
         live = {row: i for i, (row, f) in enumerate(zip(row_ids, frozen)) if not f}
         safe = min((lengths[i] for i in live.values()), default=final_length)
-        safe = min(safe, final_length)
+        safe = min(safe, final_length, self.stop_rules.confirmed_width())  # host criteria may still cut later ones
         if safe <= self.streamed:
             return
         block = self.sequences[:, self.streamed : safe].clone()  # [B_total, n]

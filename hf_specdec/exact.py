@@ -2,12 +2,12 @@
 
 Plain `generate` calls its processors and criteria once per token, in sequence order, on the caller's whole
 batch (finished rows padded). A stateful processor (SynthID's watermark keeps per-row n-gram context and a
-call count) or a criterion keyed by batch index relies on that. When a call has any processor or criterion
-off the vectorised path's allow-lists, the loop runs in lockstep (every live row holds the same number of
-tokens) and `ExactPath.accept` walks a verified block position by position: call the processors on the full
-batch, accept or reject every row's draft there, call the criteria on the full batch, and go on only while
-every row accepted and none stopped. So each call sees exactly plain decoding's inputs, and none is ever made
-for a position that is later thrown away: no state needs a snapshot or a rollback.
+call count) relies on that. When a call has any processor off the vectorised path's allow-list, the loop runs
+in lockstep (every live row holds the same number of tokens) and `ExactPath.accept` walks a verified block
+position by position: call the processors on the full batch, accept or reject every row's draft there, call the
+criteria on the full batch, and go on only while every row accepted and none stopped. So each call sees exactly
+plain decoding's inputs, and none is ever made for a position that is later thrown away: no state needs a
+snapshot or a rollback.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 import torch
-from transformers.generation import stopping_criteria as sc
 from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
@@ -28,17 +27,12 @@ if TYPE_CHECKING:
     from hf_specdec.proposers.base import Proposal
     from hf_specdec.stopping import StopRules
 
-#: Criteria that `StopRules` may evaluate vectorised on any (row, prefix) pairs: stateless, per row, per prefix.
-PURE_CRITERIA = frozenset(
-    getattr(sc, name)
-    for name in ("EosTokenCriteria", "MaxLengthCriteria", "MaxTimeCriteria", "StopStringCriteria")
-    if hasattr(sc, name)
-)
 
-
-def needs_exact_path(sampling: StepSampling, criteria: StoppingCriteriaList) -> bool:
-    """Whether any processor or criterion of the call is off the allow-lists (matched by exact type)."""
-    return sampling.exact or any(type(c) not in PURE_CRITERIA for c in criteria)
+def needs_exact_path(sampling: StepSampling) -> bool:
+    """Whether any processor of the call is off the allow-list (matched by exact type). Stopping criteria never need
+    this path: the host calls those plain `generate` would call, on its whole batch, in order
+    (`hf_specdec.host_criteria`); on this path it calls them itself, in lockstep."""
+    return sampling.exact
 
 
 class LoopRows(Protocol):

@@ -37,7 +37,7 @@ from hf_specdec.proposers.top1 import Top1Proposer
 from hf_specdec.ranks import rank_agreement
 from hf_specdec.recurrent import check_recurrent_call, is_hybrid
 from hf_specdec.sampling import random as row_random
-from hf_specdec.sampling.processors import StepSampling
+from hf_specdec.sampling.processors import StepSampling, is_pure
 from hf_specdec.schedules import HeuristicSchedule, SpeculationSchedule
 from hf_specdec.static_cache import StaticPlan
 from hf_specdec.stopping import StopRules
@@ -128,21 +128,24 @@ class CallPlan:
         seeds = seeds.to(batch.device)
         sampling = StepSampling(processors=logits_processor, do_sample=bool(config.do_sample), seeds=seeds)
         pad = config._pad_token_tensor
+        exact_path = needs_exact_path(sampling)
         stop_rules = StopRules(
             stopping_criteria,
             pad_token_id=int(pad.reshape(-1)[0]) if pad is not None else None,
             max_length=config.max_length,
             batch_size=batch.batch_size,
+            prompt_width=batch.prompt_width,
+            host_calls=not exact_path,  # the exact path calls every criterion itself, in lockstep
         )
         exact = None
-        if needs_exact_path(sampling, stopping_criteria):
+        if exact_path:
             exact = ExactPath(logits_processor, stopping_criteria, stop_rules.pad_token_id)
             if static is not None and not cache_route.by_default:
-                names = sorted({type(p).__name__ for p in (*logits_processor, *stopping_criteria)})
+                names = sorted({type(p).__name__ for p in logits_processor if not is_pure(p)})
                 raise NotImplementedError(
-                    f"This call has logits processors or stopping criteria off hf_specdec's vectorised allow-list "
-                    f"(among {names}), which run on the exact position-by-position path; that path does not run on "
-                    "static caches yet: drop cache_implementation='static' (the default dynamic cache supports them)."
+                    f"This call has logits processors off hf_specdec's vectorised allow-list ({names}), which run on "
+                    "the exact position-by-position path; that path does not run on static caches yet: drop "
+                    "cache_implementation='static' (the default dynamic cache supports them)."
                 )
         proposer = build_proposer(spec, model, tokenizer, encoder, static=static is not None)
         schedule = build_schedule(spec, model, proposer.inner, static=static is not None)

@@ -3,8 +3,8 @@
 Plain `generate` checks its `StoppingCriteriaList` after every token, on the whole `input_ids`.
 A speculative step appends several tokens per row at once, so each new token is checked with the
 row's prefix up to that token: EOS, max length and stop strings vectorised on the device (so a captured step holds
-them), any other criterion (user criteria, max time) called once per distinct prefix length, read on the host.
-A row stops at its first hit.
+them). Any other criterion (`max_time`, your own) is the host's (`host_criteria.HostCriteria`): called after the
+step's host read, once per length on the caller's whole batch, as plain calls it. A row stops at its first hit.
 As in `generate`: with an EOS criterion a stopped row is finished and padded with `pad_token_id`;
 without one, stopped rows keep generating real tokens until every row has stopped.
 """
@@ -22,30 +22,48 @@ from transformers.generation.stopping_criteria import (
 )
 
 from hf_specdec.batch import RaggedBatch
+from hf_specdec.host_criteria import HostCriteria
 
 
 class StopRules:
     """Stopping state of the rows of one call (the live rows, in batch order)."""
 
-    def __init__(self, criteria: StoppingCriteriaList, pad_token_id: int | None, max_length: int, batch_size: int):
+    def __init__(
+        self,
+        criteria: StoppingCriteriaList,
+        pad_token_id: int | None,
+        max_length: int,
+        batch_size: int,
+        prompt_width: int,
+        host_calls: bool = True,  # False: the exact path calls the whole list itself (`hf_specdec.exact`)
+    ):
+        check_criteria(criteria)
         self.max_length = max_length
         self.pad_token_id = pad_token_id
         self.has_eos = any(hasattr(c, "eos_token_id") for c in criteria)
-        eos = [c.eos_token_id for c in criteria if isinstance(c, EosTokenCriteria)]
+        # Matched by exact type, as the processors are: a subclass may answer otherwise, so the host calls it.
+        eos = [c.eos_token_id for c in criteria if type(c) is EosTokenCriteria]
         self.eos_token_ids = torch.cat([e.reshape(-1) for e in eos]) if eos else None  # [E]
-        self.max_lengths = [c.max_length for c in criteria if isinstance(c, MaxLengthCriteria)]
-        general = [c for c in criteria if not isinstance(c, (EosTokenCriteria, MaxLengthCriteria))]
+        self.max_lengths = [c.max_length for c in criteria if type(c) is MaxLengthCriteria]
         #: stop strings, checked on the device: transformers' criterion reads only the last `maximum_token_len` ids
-        self.stop_strings = [c for c in general if type(c) is StopStringCriteria]
-        self.general = StoppingCriteriaList([c for c in general if type(c) is not StopStringCriteria])
+        self.stop_strings = [c for c in criteria if type(c) is StopStringCriteria]
+        device_rules = (EosTokenCriteria, MaxLengthCriteria, StopStringCriteria)
+        self.general = StoppingCriteriaList([c for c in criteria if type(c) not in device_rules])
         self.stopped = torch.zeros(batch_size, dtype=torch.bool)  # [B]
+        self.stop_lengths = torch.zeros(batch_size, dtype=torch.long)  # [B] each row's first stop (0: none yet)
         # Longest stop length of any row so far (the final width without EOS); a device tensor: no host sync.
         self.max_stop_length = torch.zeros((), dtype=torch.long)
         if self.has_eos and pad_token_id is None:
             raise ValueError("An EOS stopping criterion needs a pad_token_id for finished rows; set pad_token_id.")
+        #: the criteria only the host can answer, called after each step's host read (None: there are none)
+        self.host = None
+        if len(self.general) and host_calls:
+            self.host = HostCriteria(self.general, rows=batch_size, prompt_width=prompt_width, max_length=max_length,
+                                     has_eos=self.has_eos, pad_token_id=pad_token_id)  # fmt: skip
 
     def select_rows(self, keep: torch.Tensor) -> None:
         self.stopped = self.stopped[keep.to(self.stopped.device)]
+        self.stop_lengths = self.stop_lengths[keep.to(self.stop_lengths.device)]
 
     def apply(
         self,
@@ -57,6 +75,7 @@ class StopRules:
         """Find each row's first stop among its `num_emitted` new tokens (already in the buffer)."""
         device = batch.device
         self.stopped = self.stopped.to(device)
+        self.stop_lengths = self.stop_lengths.to(device)
         self.max_stop_length = self.max_stop_length.to(device)
         offsets = torch.arange(width, device=device)  # [w]
         fresh = (offsets < num_emitted[:, None]) & ~self.stopped[:, None]  # [B, w] new tokens still checked
@@ -73,28 +92,16 @@ class StopRules:
             for criterion in self.stop_strings:
                 hit |= _stop_string_hits(criterion, batch.token_ids, index)
         hit &= fresh
-        if hits is None and len(self.general) > 0:
-            hit |= self._general_hits(batch, fresh & ~_after_first(hit), index)
         any_hit = hit.any(1)
         first = hit.float().argmax(1)  # [B] offset of the first hit
         stop_lengths = torch.where(any_hit, batch.lengths + first + 1, 0)  # [B]
         if batch.batch_size:
             self.max_stop_length = torch.maximum(self.max_stop_length, stop_lengths.max())
+        self.stop_lengths = torch.where(any_hit, stop_lengths, self.stop_lengths)  # fresh rows had not stopped
         self.stopped = self.stopped | any_hit
         if self.has_eos:
             return torch.where(any_hit, first + 1, num_emitted)
         return num_emitted
-
-    def _general_hits(self, batch: RaggedBatch, check: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        """Run the other criteria once per distinct prefix length over the (row, offset) pairs in `check`."""
-        hit = torch.zeros_like(check)
-        prefix = torch.where(check, index + 1, -1)  # [B, w] prefix length that ends with the token
-        for length in torch.unique(prefix[check]).tolist():
-            rows, cols = (prefix == length).nonzero(as_tuple=True)
-            done = self.general(batch.token_ids[rows, :length], None)
-            hit[rows, cols] = done.to(hit.device)
-            # Rows that stopped here must not be stopped again later in their block: earliest hit wins anyway.
-        return hit
 
     def stop_strings_key(self) -> tuple:
         """What identifies the stop strings' token tables (the graphs a call keeps read them: `graph_reuse`)."""
@@ -112,11 +119,17 @@ class StopRules:
 
     def final_length(self, final_lengths: torch.Tensor, batch: RaggedBatch, live: bool) -> int:
         """Width of the output rows (prompt included), or max_length while it is not known yet."""
+        if self.host is not None and not self.has_eos:  # the host criteria had the last word on every row's stop
+            return self.host.final_width if self.host.finished else self.max_length
         if live and (self.has_eos or not bool(self.stopped.all())):
             return self.max_length
         if self.has_eos:
             return int(final_lengths.max().item())
         return int(self.max_stop_length)
+
+    def confirmed_width(self) -> int:
+        """Columns that no stop decision can still cut: all of them unless host criteria are still to be called."""
+        return self.max_length if self.host is None or self.host.finished else self.host.called
 
     def pad_finished(
         self, block: torch.Tensor, final_lengths: torch.Tensor, start: int, live: dict[int, int]
@@ -147,5 +160,12 @@ def _stop_string_hits(
     return criterion(window.flatten(0, 1), None).view(index.shape).to(index.device)  # [B, w]
 
 
-def _after_first(hit: torch.Tensor) -> torch.Tensor:  # [B, w] True strictly after each row's first hit
-    return (hit.long().cumsum(1) - hit.long()) > 0
+def check_criteria(criteria: StoppingCriteriaList) -> None:
+    """Refuse, before any model work, criteria that no speculative call can give what they read."""
+    for criterion in criteria:
+        if type(criterion).__name__ == "ConfidenceCriteria":
+            raise NotImplementedError(
+                "ConfidenceCriteria reads the scores of an assistant model's own draft loop (transformers builds it "
+                "for assistant_confidence_threshold); criteria get scores=None here, as in plain generate without "
+                "output_scores. Drop it from stopping_criteria, or use SpecDecoder(draft_confidence_threshold=...)."
+            )

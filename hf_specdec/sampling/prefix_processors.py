@@ -6,9 +6,8 @@ length reads those lengths on the host: a captured step (one CUDA graph) cannot.
 at once over the step's token buffer `[B, C]` and each position's prefix length, with the same arithmetic as
 transformers' processor on that prefix (tests/sampling/test_prefix_processors.py holds them equal on random
 prefixes, padding and ignored prompt columns included). Covered: repetition penalty, no-repeat n-gram, bad words,
-minimum length and minimum new tokens, forced BOS and EOS, suppress-at-begin. The others (sequence bias, whose sums
-of finite biases follow transformers' order of additions; the exponential length penalty, a float power) keep the
-per-prefix path (uncaptured).
+minimum length and minimum new tokens, forced BOS and EOS, suppress-at-begin, sequence bias (its float sums added in
+transformers' order) and the exponential length penalty (its power taken by Python, as transformers takes it).
 
 Each form keeps its per-row and device state as tensor attributes (hf_specdec objects reachable from the loop), so
 a captured step reads them at fixed addresses and graph reuse copies a later call's values in; what it bakes in
@@ -19,6 +18,8 @@ from __future__ import annotations
 
 import torch
 from transformers.generation import logits_process as lp
+
+from hf_specdec import compat
 
 
 class RepetitionPenalty:
@@ -182,7 +183,122 @@ class ForcedToken:
         pass
 
 
-DeviceForm = RepetitionPenalty | NoRepeatNGram | MinLength | BadWords | ForcedToken
+class SequenceBias:
+    """`SequenceBiasLogitsProcessor`: a one-token sequence's bias always applies; a longer one's goes to its last
+    token where the prefix ends with the rest. Float sums depend on their order, so each token's biases are added one
+    by one in the order transformers adds them (`compat.sequence_bias_groups_by_length`): in rounds, round r adding
+    every token's r-th bias (no token twice in a round), into zeros plus the one-token biases, then to the scores."""
+
+    def __init__(self, processor: lp.SequenceBiasLogitsProcessor, row_ids: torch.Tensor) -> None:
+        items = [(tuple(int(t) for t in sequence), float(bias)) for sequence, bias in processor.sequence_bias.items()]
+        self.items = tuple(items)
+        self.largest_id = max(t for sequence, _ in items for t in sequence)
+        grouped = compat.sequence_bias_groups_by_length()
+        self.context = 0 if grouped else 1  # input tokens needed beyond a sequence's prefix to match it
+        longer = [(sequence, bias) for sequence, bias in items if len(sequence) > 1]
+        if grouped:  # by prefix length, in order of each length's first sequence (a stable sort keeps dict order)
+            first = {}
+            for sequence, _ in longer:
+                first.setdefault(len(sequence), len(first))
+            longer.sort(key=lambda item: first[len(item[0])])
+        device = row_ids.device
+        singles = [(sequence[0], bias) for sequence, bias in items if len(sequence) == 1]
+        self.single_ids = torch.tensor([t for t, _ in singles], dtype=torch.long, device=device)  # [S1]
+        self.single_biases = torch.tensor([b for _, b in singles], dtype=torch.float, device=device)  # [S1]
+        self.biases = torch.tensor([b for _, b in longer], dtype=torch.float, device=device)  # [S] in adding order
+        #: per prefix length m: (prefixes [G, m], their sequences' places in the adding order [G])
+        by_length: dict[int, list[int]] = {}
+        for place, (sequence, _) in enumerate(longer):
+            by_length.setdefault(len(sequence) - 1, []).append(place)
+        self.groups = [
+            (torch.tensor([longer[p][0][:-1] for p in places], device=device), torch.tensor(places, device=device))
+            for places in by_length.values()
+        ]
+        #: round r: (places [n_r], last tokens [n_r]) of every token's r-th biased sequence
+        rounds: list[list[int]] = []
+        seen: dict[int, int] = {}
+        for place, (sequence, _) in enumerate(longer):
+            r = seen[sequence[-1]] = seen.get(sequence[-1], -1) + 1
+            rounds.extend([] for _ in range(r + 1 - len(rounds)))
+            rounds[r].append(place)
+        self.rounds = [
+            (torch.tensor(places, device=device), torch.tensor([longer[p][0][-1] for p in places], device=device))
+            for places in rounds
+        ]
+
+    def __call__(self, token_ids: torch.Tensor, prefix_lengths: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        batch_size, width, vocab = scores.shape
+        if self.largest_id >= vocab:
+            raise ValueError(
+                f"The model vocabulary size is {vocab}, but sequence_bias holds token {self.largest_id}: every id "
+                f"must be below {vocab}."
+            )
+        one_token = torch.zeros(vocab, dtype=torch.float, device=scores.device)  # [V]
+        one_token[self.single_ids] = self.single_biases
+        bias = torch.zeros_like(scores) + one_token  # [B, w, V]
+        if len(self.biases):
+            capacity = token_ids.shape[1]
+            match = torch.zeros(batch_size, width, len(self.biases), dtype=torch.bool, device=scores.device)
+            for prefixes, places in self.groups:  # [G, m], [G]
+                m = prefixes.shape[1]
+                cols = prefix_lengths[..., None] - m + torch.arange(m, device=token_ids.device)  # [B, w, m]
+                tail = token_ids.gather(1, cols.clamp(0, capacity - 1).flatten(1)).view(cols.shape)  # [B, w, m]
+                fits = (prefix_lengths >= m + self.context)[..., None]  # [B, w, 1]
+                match[..., places] = (tail[:, :, None, :] == prefixes).all(-1) & fits  # [B, w, G]
+            values = torch.where(match, self.biases, 0.0).to(bias.dtype)  # [B, w, S]
+            for places, last in self.rounds:  # one bias per token per round: each sum is transformers' order
+                bias.scatter_add_(2, last.expand(batch_size, width, -1), values[..., places])
+        return scores + bias
+
+    def key(self) -> tuple:
+        return ("sequence_bias", self.items)
+
+    def select_rows(self, keep: torch.Tensor) -> None:
+        pass
+
+
+class ExponentialDecay:
+    """`ExponentialDecayLengthPenalty`: at a prefix of L tokens past `regulation_start`, each EOS score s gets
+    |s| * (factor^(L - start) - 1) added (0 where s is not finite, on transformers that mask it:
+    `compat.exponential_penalty_skips_non_finite`). The power is Python's, in double, rounded to float32 as
+    transformers' scalar multiply rounds it: one table entry per prefix length, made on the host once per call. (A
+    power past the double range makes transformers raise OverflowError at that length; the table holds inf.)"""
+
+    def __init__(self, processor: lp.ExponentialDecayLengthPenalty, row_ids: torch.Tensor) -> None:
+        self.start = int(processor.regulation_start)
+        self.factor = float(processor.regulation_factor)
+        self.eos = torch.as_tensor(processor.eos_token_id).reshape(-1).to(row_ids.device, copy=True)  # [E]
+        self.skip_non_finite = compat.exponential_penalty_skips_non_finite()
+        self.table: torch.Tensor | None = None  # [C + 1] factor^(L - start) - 1 per prefix length L (made at step 0)
+
+    def _power(self, length: int) -> float:
+        try:
+            return pow(self.factor, length - self.start) - 1
+        except OverflowError:
+            return float("inf")
+
+    def __call__(self, token_ids: torch.Tensor, prefix_lengths: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        capacity = token_ids.shape[1]
+        if self.table is None or self.table.shape[0] <= capacity:
+            powers = [self._power(n) if n > self.start else 0.0 for n in range(capacity + 1)]
+            self.table = torch.tensor(powers, dtype=torch.float, device=scores.device)  # [C + 1]
+        factors = self.table[prefix_lengths.clamp(0, capacity)]  # [B, w]
+        eos_scores = scores[..., self.eos]  # [B, w, E]
+        penalty = eos_scores.abs() * factors[..., None]  # [B, w, E]
+        if self.skip_non_finite:
+            penalty = penalty.masked_fill(~torch.isfinite(eos_scores), 0.0)
+        penalties = torch.zeros_like(scores)  # [B, w, V]
+        penalties[..., self.eos] = penalty
+        return torch.where((prefix_lengths > self.start)[..., None], scores + penalties, scores)
+
+    def key(self) -> tuple:
+        return ("exponential_decay", self.start, self.factor, self.skip_non_finite)
+
+    def select_rows(self, keep: torch.Tensor) -> None:
+        pass
+
+
+DeviceForm = RepetitionPenalty | NoRepeatNGram | MinLength | BadWords | ForcedToken | SequenceBias | ExponentialDecay
 
 _FORMS: dict[str, type] = {
     "RepetitionPenaltyLogitsProcessor": RepetitionPenalty,
@@ -193,6 +309,8 @@ _FORMS: dict[str, type] = {
     "ForcedBOSTokenLogitsProcessor": ForcedToken,
     "ForcedEOSTokenLogitsProcessor": ForcedToken,
     "SuppressTokensAtBeginLogitsProcessor": ForcedToken,
+    "SequenceBiasLogitsProcessor": SequenceBias,
+    "ExponentialDecayLengthPenalty": ExponentialDecay,
 }
 
 

@@ -6,10 +6,10 @@ per row at once, and rows have different lengths, so each position (i, j) must s
 This vectorised path is only for the processors on an explicit allow-list (`PURE_PROCESSORS`: stateless,
 each position a pure function of its own prefix and scores). Those that never read `input_ids`
 (temperature, top-k, top-p, min-p, ...) run once on all positions, and so do those with a device form
-(`prefix_processors.py`: repetition penalty, no-repeat n-gram, bad words, minimum lengths, forced tokens); the
-others (sequence bias, the exponential length penalty) once per distinct
-prefix length, which reads the lengths on the host. Any other processor makes the call take the exact path
-(`hf_specdec.exact`).
+(`prefix_processors.py`: repetition penalty, no-repeat n-gram, bad words, minimum lengths, forced tokens, sequence
+bias, the exponential length penalty): every allow-listed processor has one today. One without would run once per
+distinct prefix length, which reads the lengths on the host (`per_prefix`). Any other processor makes the call take
+the exact path (`hf_specdec.exact`).
 `StepSampling` carries the processors, greedy/sampling, and the per-row seeds for one call.
 """
 

@@ -280,3 +280,38 @@ def test_stop_strings_are_checked_in_the_captured_step(emulated_graphs, method):
                         spec_tokenizer=tokenizer)  # fmt: skip
     assert torch.equal(out, expected)
     assert spec.last_stats.num_graph_replays > 0
+
+
+def biased_generation(target, inputs: dict) -> dict:  # noqa: ANN001
+    """Sequence biases taken from plain greedy output (so that they fire: one-token and two-token sequences) and an
+    exponential length penalty on EOS (rows then end at different steps)."""
+    base = dict(max_new_tokens=24, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+    new = target.generate(**inputs, **base, do_sample=False)[:, inputs["input_ids"].shape[1] :]
+    bias = [[[int(new[0, 5])], -4.0], [[int(new[1, 3]), int(new[1, 4])], -6.0], [[int(new[2, 2])], 3.0],
+            [[int(new[1, 3]), int(new[1, 4]), int(new[1, 5])], -2.5]]  # fmt: skip
+    return dict(**base, sequence_bias=bias, exponential_decay_length_penalty=(6, 1.4))
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_sequence_bias_and_length_penalty_are_captured_and_equal_plain(emulated_graphs, method):
+    """Sequence bias and the exponential length penalty run in the captured step through their device forms
+    (`prefix_processors.SequenceBias`, `ExponentialDecay`): replays, and plain's tokens, which they changed."""
+    target = make_model("llama", seed=0)
+    inputs = make_prompts(3, seed=17)
+    gen = dict(do_sample=False, **biased_generation(target, inputs))
+    expected = target.generate(**inputs, **gen)
+    unbiased = target.generate(**inputs, do_sample=False, max_new_tokens=24, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+    assert not torch.equal(expected, unbiased)  # the processors act on this call
+    drafting = dict(draft_model=make_noisy_copy(target, seed=4)) if method == "draft" else dict(method="ngram")
+    spec = hf_specdec.SpecDecoder(**drafting, num_speculative_tokens=3)
+    out = spec_generate(target, inputs, spec, **gen, cache_implementation="static")
+    assert torch.equal(out, expected)
+    assert spec.last_stats.num_graph_replays > 0
+
+
+def test_seeded_sampling_with_sequence_bias_and_length_penalty_is_the_same_captured(emulated_graphs, monkeypatch):
+    target = make_model("llama", seed=0)
+    inputs = make_prompts(3, seed=7)
+    gen = dict(do_sample=True, temperature=0.9, cache_implementation="static", **biased_generation(target, inputs))
+    spec = dict(draft_model=make_noisy_copy(target, noise=0.3, seed=4), num_speculative_tokens=3, seed=11)
+    assert_captured_draws_equal_uncaptured(target, inputs, spec, gen, monkeypatch)

@@ -6,7 +6,8 @@ law p(t1) p(t2 | t1) p(t3 | t1, t2) comes from the target's own processed scores
 against it with a chi-square goodness-of-fit test. Step 0, whose verify is the prefill, checks drafts made from
 the prompt. Configs cover a draft model (draft probabilities), early exit (the target's first layer drafts), a draft with
 another tokenizer (sampled through the map of shared tokens, with its probabilities), n-gram (one-hot drafts),
-temperature / top-k / top-p and repetition penalty (scores that depend on each position's prefix), EOS inside
+temperature / top-k / top-p, repetition penalty, sequence bias and the exponential length penalty (scores that
+depend on each position's prefix), EOS inside
 the verified block, and t1..t3 as accepted drafts, recovered tokens, a bonus token or the next step's token.
 A negative control shows the statistic rejects a slightly wrong law (another temperature) on the same samples.
 """
@@ -19,6 +20,7 @@ import pytest
 import torch
 from conftest import EOS_ID, PAD_ID, make_model, make_noisy_copy, spec_generate
 from scipy.stats import chisquare
+from transformers.generation.logits_process import ExponentialDecayLengthPenalty, LogitsProcessorList
 
 import hf_specdec
 
@@ -44,6 +46,19 @@ CONFIGS = {
         method="draft",
         k=1,
         sampling=dict(temperature=1.1, repetition_penalty=1.8, top_k=None, top_p=0.9),
+    ),
+    "draft-sequence-bias-length-penalty": dict(  # device forms: biases after "11" and "3", EOS pushed up from t2 on
+        prompt="drafts_likely",
+        method="draft",
+        k=2,
+        sampling=dict(
+            temperature=1.1,
+            top_k=None,
+            sequence_bias=[[[11, 3], 1.5], [[9], -1.0], [[3, 9], 0.7]],
+            # Given as a processor: `exponential_decay_length_penalty=` would count from each call's prompt width,
+            # which `exact_joint_law` grows by the prefixes it scores.
+            logits_processor=LogitsProcessorList([ExponentialDecayLengthPenalty((0, 2.5), EOS_ID, 8)]),
+        ),
     ),
     "another-tokenizer-temperature": dict(
         prompt="drafts_likely", method="cross_tokenizer", k=2, sampling=dict(temperature=1.2, top_k=None)
