@@ -42,6 +42,8 @@ _INTERNAL = tuple(vars(torch.nn.Module()))
 _NUM_INTERNAL = len(_INTERNAL)
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs",
           "_forward_hooks_always_called")  # fmt: skip
+#: what hf_specdec itself keeps in a model's `__dict__` (`model_slots`: kept graphs, compiled calls): not the model's
+_OWN_SLOTS = "_hf_specdec_"
 _PARTS = ("modules", "tensors", "hooks", "attributes")
 
 
@@ -192,7 +194,7 @@ def _read(model: torch.nn.Module) -> tuple[list, list, list, list]:
                 continue
         values: list[tuple] = [("training", state["training"])]
         for key, value in itertools.islice(state.items(), _NUM_INTERNAL, None) if torch_first else state.items():
-            if key in skipped:
+            if key in skipped or key.startswith(_OWN_SLOTS):
                 continue
             if type(value) in plain:
                 values.append((key, value))
