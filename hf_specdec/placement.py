@@ -104,6 +104,17 @@ def input_device(model: torch.nn.Module) -> torch.device:
     return _hook_device(model) or _first_real_device(model) or getattr(model, "device", torch.device("cpu"))
 
 
+def check_has_data(model: torch.nn.Module, name: str, home: torch.device) -> None:
+    """Raise a clear error when `model` computes on `meta` (built under `torch.device("meta")`, weights never
+    loaded): its forward would return tensors with no data."""
+    if input_device(model).type == "meta":
+        raise ValueError(
+            f"The {name} is on meta: its weights have no data (it was built on the meta device and never loaded), "
+            f"while the target computes on {home}. Load its weights (from_pretrained, or load_state_dict(..., "
+            f"assign=True)) and move it with .to('{home}')."
+        )
+
+
 def _prefixes(name: str) -> list[str]:
     """ "model.embed_tokens" -> ["model", ""]: the names of a module's parents, nearest first."""
     parts = name.split(".") if name else []

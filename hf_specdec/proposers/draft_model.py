@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import PreTrainedModel
 
+from hf_specdec import placement
 from hf_specdec.batch import RaggedBatch
 from hf_specdec.cache import CacheView
 from hf_specdec.proposers import ProposerContext, register
@@ -48,6 +49,7 @@ def check_draft_model(target: PreTrainedModel, draft: PreTrainedModel) -> None:
             "yet. Supported: a causal LM draft (same or another tokenizer), prompt lookup, MTP layers, early exit; "
             "for this assistant call hf_specdec.uninstall() and use transformers' own (batch 1) assisted decoding."
         )
+    placement.check_has_data(draft, "draft model", placement.input_device(target))
     if draft.config.is_encoder_decoder and not target.config.is_encoder_decoder:
         raise ValueError(f"The draft model {type(draft).__name__} is an encoder-decoder; use a decoder-only draft.")
     target_vocab, draft_vocab = output_vocab_size(target), output_vocab_size(draft)

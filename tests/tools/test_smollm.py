@@ -76,10 +76,11 @@ def test_smollm2_greedy_ngram_is_exact(smollm2) -> None:
 def test_demo_end_to_end(capsys: pytest.CaptureFixture, smollm2) -> None:
     from hf_specdec.tools.cli import main
     from hf_specdec.tools.demo import run_demo
+    from hf_specdec.tools.prompts import DEMO_PROMPTS, SUFFIX_DEMO_PROMPTS
 
     model, tokenizer = smollm2
     rows = run_demo(max_new_tokens=24, k=5, repeats=1, model=model, tokenizer=tokenizer)
-    assert len(rows) == 5 and all(r.identical for r in rows)
+    assert len(rows) == len(DEMO_PROMPTS) + len(SUFFIX_DEMO_PROMPTS) and all(r.identical for r in rows)
     out = capsys.readouterr().out
     assert "tok/s plain" in out and "identical" in out and "overall" in out
     # the console command itself, loading from the cache
