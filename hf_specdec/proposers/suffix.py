@@ -73,7 +73,6 @@ class SuffixProposer(Proposer):
         self.min_token_prob = float(min_token_prob)
         self.cache = cache if cache is not None and cache.enabled else None
         self.trees: SuffixTree | None = None  # the rows' own trees (one root per row of the call)
-        self.batch: RaggedBatch | None = None
         #: static caches: drafts are planned on the host (`plan_step`) from now on
         self.planned = False
         self.draft_ids: torch.Tensor | None = None  # [B, k] static caches: the planned drafts the step reads
@@ -88,8 +87,8 @@ class SuffixProposer(Proposer):
     # --- host state: the rows' tokens and trees -----------------------------------------------------------------
 
     def prefill(self, batch: RaggedBatch, sampling: StepSampling) -> None:
-        """Build each row's tree from its prompt (host copies of the tokens and lengths: one read)."""
-        self.batch = batch
+        """Build each row's tree from its prompt (host copies of the tokens and lengths: one read). The proposer
+        keeps no reference to the batch: kept CUDA graphs name state by the path it is reached by."""
         self.tokens = batch.token_ids.to("cpu", torch.int64, copy=True).numpy()  # [B, C] host mirror of the rows
         starts = batch.pad_lengths.to("cpu", torch.int64, copy=True).numpy()  # [B]
         ends = batch.lengths.to("cpu", torch.int64, copy=True).numpy()  # [B]
@@ -155,7 +154,7 @@ class SuffixProposer(Proposer):
         """The call ends: every row not yet published gives its output to the global tree."""
         if self.trees is not None:
             self._publish(np.arange(len(self.state)))
-        self.trees = self.batch = None
+        self.trees = None
 
     def _publish(self, rows: np.ndarray) -> None:
         """Add the outputs of `rows` (with up to D tokens of prompt before them) to the global tree, once each."""
