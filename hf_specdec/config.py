@@ -285,7 +285,9 @@ class SpecDecoder:
 
         integer("suffix_max_tree_depth", 1, 128, "vLLM's default is 24 (each token costs up to this many tree nodes).")
         integer("suffix_max_cached_requests", 0, None, "earlier outputs kept in the global tree; 0 turns it off.")
-        integer("suffix_max_cached_tokens", 0, None, "the global tree's bound in tokens (default 100000, about 150 MB).")
+        integer(
+            "suffix_max_cached_tokens", 0, None, "the global tree's bound in tokens (default 100000, about 150 MB)."
+        )
         factor = self.suffix_max_spec_factor
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 64:
             raise ValueError(
