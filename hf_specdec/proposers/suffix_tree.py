@@ -327,6 +327,7 @@ class SuffixTree:
     not_step_state = True  # host data only: a captured step never reads it (`step_graph.state_owners` skips it)
 
     def __init__(self, max_depth: int, num_roots: int = 1, capacity: int = 1024) -> None:
+        kernels()  # compiled (or loaded from numba's cache) once per process
         if int(max_depth) < 1:
             raise ValueError(f"max_depth must be >= 1, got {max_depth}.")
         self.max_depth = int(max_depth)
@@ -336,6 +337,7 @@ class SuffixTree:
         self.free = np.empty(capacity, np.int32)  # [N] freed node ids (a stack)
         self.meta = np.zeros(4, np.int64)
         self.table = np.full((_table_size(capacity), 2), -1, np.int64)  # [H, 2] ((parent << 32) | token, child)
+        self.max_entries = int(MAX_LOAD * len(self.table))  # hash entries before the table doubles
         new_root = kernels()["_new_root"]
         self.roots = np.array([new_root(self.nodes, self.stamps, self.free, self.meta) for _ in range(num_roots)])
 
@@ -355,7 +357,10 @@ class SuffixTree:
 
     def reserve(self, new_nodes: int) -> None:
         """Make room for `new_nodes` more nodes and their hash entries."""
-        needed = int(self.meta[USED]) + new_nodes
+        used, entries = self.meta[USED], self.meta[HASH_COUNT]
+        if used + new_nodes <= len(self.nodes) and entries + new_nodes <= self.max_entries:
+            return  # the common case, decided without a Python int conversion
+        needed = int(used) + new_nodes
         if needed > len(self.nodes):
             size = max(needed, 2 * len(self.nodes))
             self.nodes = np.concatenate([self.nodes, np.empty((size - len(self.nodes), FIELDS), np.int32)])
@@ -366,6 +371,7 @@ class SuffixTree:
             table = np.full((_table_size(max(entries, 2 * int(self.meta[HASH_COUNT]))), 2), -1, np.int64)
             kernels()["_rehash"](self.table, table)
             self.table = table
+        self.max_entries = int(MAX_LOAD * len(self.table))
 
     def start_rows(
         self, roots: np.ndarray, starts: np.ndarray | None = None
@@ -394,7 +400,8 @@ class SuffixTree:
             max_new_tokens = int(np.maximum(ends - state[:, 1], 0).sum())
         self.reserve(max_new_tokens * self.max_depth)
         mirror = tokens if mirror is None else mirror
-        kernels()["_append_rows"](*self.arrays(), active, state, tokens, ends, self.max_depth, mirror)
+        _append_rows(self.nodes, self.stamps, self.table, self.free, self.meta, active, state, tokens, ends,
+                     self.max_depth, mirror)  # fmt: skip
 
     def add(self, tokens: np.ndarray, root_index: int = 0) -> None:
         """Append one whole sequence (`tokens` [n] int64) to tree `root_index`."""

@@ -19,7 +19,7 @@ from first_tokens_law import check_first_tokens, exact_joint_law
 
 import hf_specdec
 from hf_specdec.batch import RaggedBatch
-from hf_specdec.proposers.suffix import SuffixProposer, draft_key
+from hf_specdec.proposers.suffix import SuffixProposer
 from hf_specdec.proposers.suffix_cache import SuffixCache
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -66,12 +66,6 @@ def test_drafts_on_a_ragged_batch_and_the_rows_join_the_global_tree_when_they_le
     assert cache.outputs[-1].tolist() == [5, 6, 7, 8, 5, 6, 7]  # its prompt (up to D tokens) and output
     proposer.detach()
     assert cache.num_requests == 3 and cache.outputs[-1].tolist()[-3:] == [43, 44, 50]
-
-
-def test_draft_keys_bucket_the_match_length():
-    assert draft_key(np.array([0, 1, 2, 3, 4, 5, 6, 8, 9, 12, 13, 17, 18, 24])).tolist() == [
-        0, 1, 2, 3, 4, 4, 5, 5, 6, 6, 7, 7, 8, 8,
-    ]  # fmt: skip
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
