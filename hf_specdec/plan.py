@@ -223,7 +223,7 @@ def build_schedule(
         key = f"ngram:{spec.prompt_lookup_min}-{spec.prompt_lookup_max}"
         if spec.draft_model is not None or spec.draft_head is not None:
             key = f"{spec.method}:{model_serial(spec.draft_model or spec.draft_head)}"
-        elif spec.method == "suffix":  # its keys are match-length buckets (`proposers.suffix.draft_key`)
+        elif spec.method == "suffix":  # its keys are match-length buckets (`suffix_search.key_of`)
             key = f"suffix:{spec.suffix_max_tree_depth}-{spec.suffix_max_spec_factor}-{spec.suffix_min_token_prob}"
         elif spec.method != "ngram":
             key = "mtp" if spec.method == "mtp" else f"exit:{spec.early_exit_layers}"

@@ -267,12 +267,8 @@ def _rehash(old: np.ndarray, table: np.ndarray) -> None:
             table[j, 1] = old[i, 1]
 
 
-def _new_root(nodes: np.ndarray, stamps: np.ndarray, free: np.ndarray, meta: np.ndarray) -> int:
-    return _alloc(nodes, stamps, free, meta)
-
-
 _KERNEL_NAMES = ("_find", "_slot", "_alloc", "_child", "_rescan_best", "_hash_delete", "_append")
-_ENTRY_NAMES = ("_append_rows", "_remove", "_rehash", "_new_root")
+_ENTRY_NAMES = ("_append_rows", "_remove", "_rehash")
 _kernels: dict[str, Callable[..., Any]] | None = None
 _compile_lock = threading.Lock()
 
@@ -338,8 +334,7 @@ class SuffixTree:
         self.meta = np.zeros(4, np.int64)
         self.table = np.full((_table_size(capacity), 2), -1, np.int64)  # [H, 2] ((parent << 32) | token, child)
         self.max_entries = int(MAX_LOAD * len(self.table))  # hash entries before the table doubles
-        new_root = kernels()["_new_root"]
-        self.roots = np.array([new_root(self.nodes, self.stamps, self.free, self.meta) for _ in range(num_roots)])
+        self.roots = np.array([_alloc(self.nodes, self.stamps, self.free, self.meta) for _ in range(num_roots)])
 
     @property
     def num_nodes(self) -> int:
@@ -350,10 +345,6 @@ class SuffixTree:
     def nbytes(self) -> int:
         """Bytes the arrays hold (what the tree costs in memory)."""
         return self.nodes.nbytes + self.stamps.nbytes + self.free.nbytes + self.table.nbytes
-
-    def arrays(self) -> tuple[np.ndarray, ...]:
-        """(nodes, stamps, table, free, meta): the arguments every kernel takes first."""
-        return self.nodes, self.stamps, self.table, self.free, self.meta
 
     def reserve(self, new_nodes: int) -> None:
         """Make room for `new_nodes` more nodes and their hash entries."""
@@ -369,7 +360,7 @@ class SuffixTree:
         entries = int(self.meta[HASH_COUNT]) + new_nodes
         if entries > MAX_LOAD * len(self.table):
             table = np.full((_table_size(max(entries, 2 * int(self.meta[HASH_COUNT]))), 2), -1, np.int64)
-            kernels()["_rehash"](self.table, table)
+            _rehash(self.table, table)
             self.table = table
         self.max_entries = int(MAX_LOAD * len(self.table))
 
@@ -412,14 +403,14 @@ class SuffixTree:
     def remove(self, tokens: np.ndarray, root_index: int = 0) -> None:
         """Take back a sequence added to tree `root_index` with `add` (the same tokens)."""
         tokens = np.ascontiguousarray(tokens, np.int64)
-        kernels()["_remove"](*self.arrays(), int(self.roots[root_index]), tokens, self.max_depth)
+        _remove(self.nodes, self.stamps, self.table, self.free, self.meta, int(self.roots[root_index]), tokens,
+                self.max_depth)  # fmt: skip
 
     def counts(self, string: list[int], root_index: int = 0) -> tuple[int, int]:
         """(COUNT, TOTAL) of the node of `string` in tree `root_index`, (0, 0) when it is not there (for tests)."""
         node = int(self.roots[root_index])
-        find = kernels()["_find"]
         for token in string:
-            node = find(self.table, node, int(token))
+            node = _find(self.table, node, int(token))
             if node < 0:
                 return 0, 0
         return int(self.nodes[node, COUNT]), int(self.nodes[node, TOTAL])
