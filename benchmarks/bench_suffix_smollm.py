@@ -11,7 +11,8 @@ Every method runs each request once per round, interleaved (the order rotates pe
 library state is reset between rounds: the suffix `SpecDecoder` keeps its global tree for the whole run, and the
 adaptive schedule its costs and statistics (so in the agent workload, rounds after the first repeat requests the
 global tree has seen: round 0 is the cold workload). Greedy outputs must equal plain's (checked). Each method gets
-untimed warm-up calls on another prompt first, until the adaptive schedule has timed its verify widths.
+untimed warm-up calls on distinct other prompts first, until the adaptive schedule has timed every verify width it
+calibrates (three times each: until then every call after a drafting one times a few more, inside its steps).
 Speedup of a round = plain's total seconds / the method's, in wall time and in CPU time of the process
 (`time.process_time`: on a machine shared with other work, wall time varies 2x between identical calls, CPU time
 a few percent); the summary gives every round, their median and minimum.
@@ -55,13 +56,39 @@ AGENT_TURNS: list[tuple[str, str, bool, int]] = [
 
 SPEC_BENCH = "/work/shared/bench/specbench_dev.jsonl"
 #: Untimed warm-up requests, all different (the same request again would be a repeat, which suffix decoding drafts
-#: perfectly: its acceptance statistics would then start out trusting every draft).
+#: perfectly: its acceptance statistics would then start out trusting every draft); half copy text, so that drafts
+#: happen and the adaptive schedule goes on timing verify widths (it times a few per call after drafting steps).
 WARM_UP = [
-    "Name three colors.", "What is 2 + 2?", "Say hello in French.", "Name a fruit.", "What day comes after Monday?",
-    "Name two animals.", "What is the capital of Italy?", "Give a synonym for happy.", "Count to five.",
-    "Name a planet.", "What color is the sky?", "Name a musical instrument.", "What is water made of?",
-    "Name a season.", "Spell the word cat.", "Name a vegetable.",
+    "Name three colors.", "Repeat exactly: the cat sat on the mat and the dog sat on the log.",
+    "What is 2 + 2?", "Repeat exactly: one, two, three, four, five, six, seven, eight.",
+    "Say hello in French.", "Copy this line: import numpy as np; x = np.zeros(10); print(x.sum())",
+    "Name a fruit.", "Repeat exactly: red, green, blue, yellow, purple, orange, black.",
+    "What day comes after Monday?", "Copy this line: def add(a, b): return a + b",
+    "Name two animals.", "Repeat exactly: Monday, Tuesday, Wednesday, Thursday, Friday.",
+    "What is the capital of Italy?", "Copy this sentence: The meeting is on Friday at noon in room 12.",
+    "Give a synonym for happy.", "Repeat exactly: apples, pears, plums, cherries, grapes, lemons.",
+    "Count to five.", "Copy this line: for i in range(10): print(i * i)",
+    "Name a planet.", "Repeat exactly: north, south, east, west, up, down, left, right.",
+    "What color is the sky?", "Copy this sentence: Please send the report to Anna by Thursday evening.",
+    "Name a musical instrument.", "Repeat exactly: January, February, March, April, May, June.",
+    "What is water made of?", "Copy this line: total = sum(values) / len(values)",
+    "Name a season.", "Repeat exactly: alpha, beta, gamma, delta, epsilon, zeta, eta.",
+    "Spell the word cat.", "Copy this sentence: The train leaves at seven and arrives at nine.",
+    "Name a vegetable.", "Repeat exactly: cat, dog, cow, pig, hen, fox, owl, bee.",
 ]  # fmt: skip
+
+
+def calibrated(model, spec) -> bool:  # noqa: ANN001
+    """Whether the adaptive schedule has timed every width it calibrates for `spec` at batch size 1 (reads the
+    schedule's per-model memory: calibration otherwise goes on in the timed calls that follow a drafting one)."""
+    from hf_specdec import adaptive
+
+    widths = adaptive.calibration_widths(spec.num_speculative_tokens)
+    memory = adaptive._MEMORY.get(model)
+    return memory is not None and any(
+        batch == 1 and costs.complete(widths) and name.startswith(spec.method)
+        for (name, batch), costs in memory.costs.items()
+    )
 
 
 def specbench_rounds(rounds: int) -> list[list[tuple[str, str, bool, int]]]:
@@ -184,11 +211,12 @@ def main() -> None:
     model, tokenizer = load_smollm2()
     methods = args.methods.split(",")
     specs = make_specs(args.k)
-    for method in methods[1:]:  # untimed, until the adaptive schedule's first calls have timed the verify widths
+    for method in methods[1:]:  # untimed, until the adaptive schedule has timed every verify width it times
         for text in WARM_UP:  # distinct requests: a repeated one would teach suffix decoding that drafts never miss
-            run_one(model, tokenizer, [{"role": "user", "content": text}], method, specs, 16)
-            if not specs[method].last_stats.calibration_time_s:
+            if calibrated(model, specs[method]):
                 break
+            run_one(model, tokenizer, [{"role": "user", "content": text}], method, specs, 24)
+        print(f"warm-up of {method}: calibrated={calibrated(model, specs[method])}", flush=True)
     rounds = [AGENT_TURNS] * args.rounds if args.workload == "agent" else specbench_rounds(args.rounds)
     records = []
     for index, turns in enumerate(rounds):

@@ -234,7 +234,7 @@ def build_schedule(
             draft = spec.draft_model if spec.draft_model is not None else spec.draft_head
             key = f"{spec.method}:{model_serial(draft)}"
             acceptance_key = f"{spec.method}:{model_version(draft)}"  # a changed draft is judged anew
-        elif spec.method == "suffix":  # its keys are match-length buckets (`proposers.suffix.draft_key`)
+        elif spec.method == "suffix":  # its keys are match-length buckets (`suffix_search.key_of`)
             key = acceptance_key = (
                 f"suffix:{spec.suffix_max_tree_depth}-{spec.suffix_max_spec_factor}-{spec.suffix_min_token_prob}"
             )

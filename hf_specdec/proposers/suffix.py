@@ -19,7 +19,7 @@ import torch
 from hf_specdec.proposers import ProposerContext, register
 from hf_specdec.proposers.base import Proposal, Proposer
 from hf_specdec.proposers.suffix_cache import SuffixCache, cache_for
-from hf_specdec.proposers.suffix_search import COUNT_COLUMN, MATCH_COLUMN, suffix_drafts
+from hf_specdec.proposers.suffix_search import COUNT_COLUMN, EXTRA_COLUMNS, KEY_COLUMN, suffix_drafts
 from hf_specdec.proposers.suffix_tree import SuffixTree
 
 if TYPE_CHECKING:
@@ -29,15 +29,7 @@ if TYPE_CHECKING:
     from hf_specdec.config import SpecDecoder
     from hf_specdec.sampling.processors import StepSampling
 
-__all__ = ["SuffixProposer", "draft_key"]
-
-#: Upper ends of the match-length buckets that key the adaptive schedule's acceptance statistics (key = index + 1).
-MATCH_BUCKETS = np.array([1, 2, 3, 5, 8, 12, 17])
-
-
-def draft_key(match_lengths: np.ndarray) -> np.ndarray:  # [B] int64 in 0..8
-    """The adaptive schedule's key of each row's drafts: a bucket of the match length (0 without drafts)."""
-    return np.where(match_lengths > 0, np.searchsorted(MATCH_BUCKETS, match_lengths) + 1, 0)
+__all__ = ["SuffixProposer"]
 
 
 class SuffixProposer(Proposer):
@@ -73,7 +65,6 @@ class SuffixProposer(Proposer):
         self.min_token_prob = float(min_token_prob)
         self.cache = cache if cache is not None and cache.enabled else None
         self.trees: SuffixTree | None = None  # the rows' own trees (one root per row of the call)
-        self.batch: RaggedBatch | None = None
         #: static caches: drafts are planned on the host (`plan_step`) from now on
         self.planned = False
         self.draft_ids: torch.Tensor | None = None  # [B, k] static caches: the planned drafts the step reads
@@ -88,8 +79,8 @@ class SuffixProposer(Proposer):
     # --- host state: the rows' tokens and trees -----------------------------------------------------------------
 
     def prefill(self, batch: RaggedBatch, sampling: StepSampling) -> None:
-        """Build each row's tree from its prompt (host copies of the tokens and lengths: one read)."""
-        self.batch = batch
+        """Build each row's tree from its prompt (host copies of the tokens and lengths: one read). The proposer
+        keeps no reference to the batch: kept CUDA graphs name state by the path it is reached by."""
         self.tokens = batch.token_ids.to("cpu", torch.int64, copy=True).numpy()  # [B, C] host mirror of the rows
         starts = batch.pad_lengths.to("cpu", torch.int64, copy=True).numpy()  # [B]
         ends = batch.lengths.to("cpu", torch.int64, copy=True).numpy()  # [B]
@@ -101,7 +92,7 @@ class SuffixProposer(Proposer):
         self.active, self.state = self.trees.start_rows(self.trees.roots, starts)
         self.trees.append_rows(self.active, self.state, self.tokens, ends, max_new_tokens=prompt_tokens)
         self.published = np.zeros(size, np.bool_)  # [B] its output went to the global tree
-        self.out = np.empty((size, k + 3), np.int64)  # [B, k + 3] the drafting kernel's output, reused
+        self.out = np.empty((size, k + EXTRA_COLUMNS), np.int64)  # [B, k + 4] the drafting kernel's output, reused
         self.scores = np.empty(size, np.float64)  # [B]
         self.full_budgets = np.full(size, k, np.int64)  # [B]
         if self.static is not None:
@@ -120,7 +111,12 @@ class SuffixProposer(Proposer):
             source = _host(batch.token_ids[:, : int(ends.max()) if len(ends) else 0])
         # A step commits at most k + 1 tokens a row: a bound for the tree's growth without reading the counts.
         self.trees.append_rows(
-            self.active, self.state, source, ends, self.tokens, max_new_tokens=len(ends) * (self.out.shape[1] - 2)
+            self.active,
+            self.state,
+            source,
+            ends,
+            self.tokens,
+            max_new_tokens=len(ends) * (self.num_speculative_tokens + 1),
         )
 
     def host_rows(self, batch: RaggedBatch) -> torch.Tensor | None:  # [k + 1, B]
@@ -155,7 +151,7 @@ class SuffixProposer(Proposer):
         """The call ends: every row not yet published gives its output to the global tree."""
         if self.trees is not None:
             self._publish(np.arange(len(self.state)))
-        self.trees = self.batch = None
+        self.trees = None
 
     def _publish(self, rows: np.ndarray) -> None:
         """Add the outputs of `rows` (with up to D tokens of prompt before them) to the global tree, once each."""
@@ -167,18 +163,15 @@ class SuffixProposer(Proposer):
 
     # --- drafting ------------------------------------------------------------------------------------------------
 
-    def _draft(self, budgets: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # [B, k], [B], [B]
-        """Drafts from both trees for every row within `budgets` ([B]), their counts and keys (views of `out`)."""
-        k = self.num_speculative_tokens
+    def _draft(self, budgets: np.ndarray) -> int:
+        """Drafts from both trees for every row within `budgets` ([B]) into `self.out` (drafts, then the count and
+        key columns); returns the most drafts any row got."""
         args = (self.trees, self.active, self.state, self.tokens)
-        rest = (budgets, k, self.max_spec_factor, self.min_token_prob, self.out, self.scores)
+        rest = (budgets, self.num_speculative_tokens, self.max_spec_factor, self.min_token_prob, self.out, self.scores)
         if self.cache is None:
-            suffix_drafts(*args, None, *rest)
-        else:
-            with self.cache.lock:
-                suffix_drafts(*args, self.cache.tree, *rest)
-        out = self.out
-        return out[:, :k], out[:, k + COUNT_COLUMN], draft_key(out[:, k + MATCH_COLUMN])
+            return suffix_drafts(*args, None, *rest)[2]
+        with self.cache.lock:
+            return suffix_drafts(*args, self.cache.tree, *rest)[2]
 
     def plan_step(self, batch: RaggedBatch) -> Hashable | None:
         """Static caches: draft k for every row on the host and write the drafts where the step reads them."""
@@ -187,10 +180,12 @@ class SuffixProposer(Proposer):
         return ()
 
     def _plan(self) -> None:
-        drafts, counts, keys = self._draft(self.full_budgets)
-        self.draft_ids.copy_(torch.from_numpy(drafts))
-        self.draft_counts.copy_(torch.from_numpy(counts))
-        self.draft_keys.copy_(torch.from_numpy(keys))
+        self._draft(self.full_budgets)
+        k = self.num_speculative_tokens
+        out = torch.from_numpy(self.out)  # [B, k + 4]
+        self.draft_ids.copy_(out[:, :k])
+        self.draft_counts.copy_(out[:, k + COUNT_COLUMN])
+        self.draft_keys.copy_(out[:, k + KEY_COLUMN])
 
     def propose(
         self,
@@ -212,15 +207,10 @@ class SuffixProposer(Proposer):
             return Proposal(self.draft_ids, counts, draft_probs=None, draft_keys=self.draft_keys)
         if batch.batch_size == 0:
             return Proposal.empty(0, batch.device)
-        drafts, counts, keys = self._draft(_host(max_draft_tokens))
-        k_used = int(counts.max())
-        device = batch.device
-        return Proposal(
-            torch.from_numpy(drafts[:, :k_used].copy()).to(device),  # [B, k_used]
-            torch.from_numpy(counts.copy()).to(device),  # [B]
-            draft_probs=None,
-            draft_keys=torch.from_numpy(keys).to(device),  # [B]
-        )
+        widest = self._draft(_host(max_draft_tokens))
+        k = self.num_speculative_tokens
+        out = torch.from_numpy(self.out.copy()).to(batch.device)  # [B, k + 4] one copy: `self.out` is reused
+        return Proposal(out[:, :widest], out[:, k + COUNT_COLUMN], draft_probs=None, draft_keys=out[:, k + KEY_COLUMN])
 
 
 def _host(tensor: torch.Tensor) -> np.ndarray:

@@ -95,8 +95,24 @@ def _longest_match(
     return best, low
 
 
-#: Columns of the kernel's output rows past the k drafts: drafts per row, match length, from the global tree (0/1).
-COUNT_COLUMN, MATCH_COLUMN, GLOBAL_COLUMN = 0, 1, 2
+#: Columns of the kernel's output rows past the k drafts: drafts per row, match length, from the global tree (0/1),
+#: and the draft's key for the adaptive schedule (the bucket of the match length, `key_of`).
+COUNT_COLUMN, MATCH_COLUMN, GLOBAL_COLUMN, KEY_COLUMN = 0, 1, 2, 3
+EXTRA_COLUMNS = 4
+#: Upper ends of the match-length buckets that key the adaptive schedule's acceptance statistics (key = index + 1).
+MATCH_BUCKETS = np.array([1, 2, 3, 5, 8, 12, 17], np.int64)
+
+
+def key_of(match_length: int) -> int:
+    """The adaptive schedule's key of a draft matched on `match_length` tokens: its bucket (0 without drafts)."""
+    if match_length <= 0:
+        return 0
+    key = 1
+    for upper in MATCH_BUCKETS:
+        if match_length <= upper:
+            return key
+        key += 1
+    return key
 
 
 def _suffix_drafts(
@@ -111,12 +127,17 @@ def _suffix_drafts(
     depth: int,
     max_spec_factor: float,
     min_prob: float,
-    out: np.ndarray,  # [B, k + 3] int64: drafts (-1 filled), then count, match length, from_global (0 filled)
-    scores: np.ndarray,  # [B] float64, zero filled
-) -> None:
-    k = out.shape[1] - 3
+    out: np.ndarray,  # [B, k + 4] int64: drafts (-1 past the count), then count, match length, from_global, key
+    scores: np.ndarray,  # [B] float64
+) -> int:
+    """Fills `out` and `scores`; returns the most drafts any row got."""
+    k = out.shape[1] - EXTRA_COLUMNS
     scratch = np.empty(k, np.int64)
+    widest = 0
     for i in range(out.shape[0]):
+        out[i, :k] = -1
+        out[i, k:] = 0
+        scores[i] = 0.0
         want = min(budgets[i], k)
         if want <= 0:
             continue
@@ -144,9 +165,12 @@ def _suffix_drafts(
                         out[i, k + COUNT_COLUMN] = n
                         out[i, k + MATCH_COLUMN] = m
                         out[i, k + GLOBAL_COLUMN] = tree
+                        out[i, k + KEY_COLUMN] = key_of(m)
                         scores[i] = score
                 node = nodes[node, LINK]
                 m -= 1
+        widest = max(widest, out[i, k + COUNT_COLUMN])
+    return widest
 
 
 _compiled: Callable[..., None] | None = None
@@ -164,7 +188,7 @@ def _kernel() -> Callable[..., None]:
                 import numba
 
                 _find = suffix_tree.kernels()["_find"]
-                for name in ("_continues", "_walk", "_longest_match"):
+                for name in ("key_of", "_continues", "_walk", "_longest_match"):
                     globals()[name] = numba.njit(nogil=True, cache=True)(globals()[name])
                 _compiled = numba.njit(nogil=True, cache=True)(_suffix_drafts)
     return _compiled
@@ -180,33 +204,33 @@ def suffix_drafts(
     k: int,
     max_spec_factor: float,
     min_token_prob: float,
-    out: np.ndarray | None = None,  # [B, k + 3] int64 to write into (reused across steps)
+    out: np.ndarray | None = None,  # [B, k + 4] int64 to write into (reused across steps)
     scores: np.ndarray | None = None,  # [B] float64
-) -> tuple[np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray, int]:
     """
     Drafts for a batch of rows from their own trees (in `local`, row i's suffix nodes `active[i]` and `state[i]`:
     first real token, end, set entries of `active`) and a global tree; the caller holds the global tree's lock.
 
-    Returns `out` [B, k + 3] int64: each row's drafts (-1 padded), then (`COUNT_COLUMN`, `MATCH_COLUMN`,
-    `GLOBAL_COLUMN` after k) its draft count, the match length m of the winning walk (0 without drafts) and 1 when it
-    came from the global tree; and `scores` [B] float64, the winning walk's sum of branch probabilities.
+    Returns `out` [B, k + 4] int64: each row's drafts (-1 padded), then (`COUNT_COLUMN`, ... after k) its draft count,
+    the match length m of the winning walk (0 without drafts), 1 when it came from the global tree, and its key for
+    the adaptive schedule (`key_of(m)`); `scores` [B] float64, the winning walk's sum of branch probabilities; and
+    the most drafts any row got.
     """
     batch_size = active.shape[0]
     if out is None:
-        out = np.empty((batch_size, k + 3), np.int64)
+        out = np.empty((batch_size, k + EXTRA_COLUMNS), np.int64)
         scores = np.empty(batch_size, np.float64)
-    out[:, :k] = -1
-    out[:, k:] = 0
-    scores[:] = 0.0
     if batch_size == 0 or k == 0:
-        return out, scores
-    g_root = -1 if global_tree is None else int(global_tree.roots[0])
+        out[:, :k] = -1
+        out[:, k:] = 0
+        scores[:] = 0.0
+        return out, scores, 0
     g = local if global_tree is None else global_tree
-    _kernel()(
-        local.nodes, active, state, tokens, g.nodes, g.table, g_root, budgets, local.max_depth,
-        float(max_spec_factor), float(min_token_prob), out, scores,
+    widest = _kernel()(
+        local.nodes, active, state, tokens, g.nodes, g.table, -1 if global_tree is None else int(g.roots[0]),
+        budgets, local.max_depth, float(max_spec_factor), float(min_token_prob), out, scores,
     )  # fmt: skip
-    return out, scores
+    return out, scores, int(widest)
 
 
 def _reference_walk(

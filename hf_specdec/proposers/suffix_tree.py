@@ -267,12 +267,8 @@ def _rehash(old: np.ndarray, table: np.ndarray) -> None:
             table[j, 1] = old[i, 1]
 
 
-def _new_root(nodes: np.ndarray, stamps: np.ndarray, free: np.ndarray, meta: np.ndarray) -> int:
-    return _alloc(nodes, stamps, free, meta)
-
-
 _KERNEL_NAMES = ("_find", "_slot", "_alloc", "_child", "_rescan_best", "_hash_delete", "_append")
-_ENTRY_NAMES = ("_append_rows", "_remove", "_rehash", "_new_root")
+_ENTRY_NAMES = ("_append_rows", "_remove", "_rehash")
 _kernels: dict[str, Callable[..., Any]] | None = None
 _compile_lock = threading.Lock()
 
@@ -327,6 +323,7 @@ class SuffixTree:
     not_step_state = True  # host data only: a captured step never reads it (`step_graph.state_owners` skips it)
 
     def __init__(self, max_depth: int, num_roots: int = 1, capacity: int = 1024) -> None:
+        kernels()  # compiled (or loaded from numba's cache) once per process
         if int(max_depth) < 1:
             raise ValueError(f"max_depth must be >= 1, got {max_depth}.")
         self.max_depth = int(max_depth)
@@ -336,8 +333,8 @@ class SuffixTree:
         self.free = np.empty(capacity, np.int32)  # [N] freed node ids (a stack)
         self.meta = np.zeros(4, np.int64)
         self.table = np.full((_table_size(capacity), 2), -1, np.int64)  # [H, 2] ((parent << 32) | token, child)
-        new_root = kernels()["_new_root"]
-        self.roots = np.array([new_root(self.nodes, self.stamps, self.free, self.meta) for _ in range(num_roots)])
+        self.max_entries = int(MAX_LOAD * len(self.table))  # hash entries before the table doubles
+        self.roots = np.array([_alloc(self.nodes, self.stamps, self.free, self.meta) for _ in range(num_roots)])
 
     @property
     def num_nodes(self) -> int:
@@ -349,13 +346,12 @@ class SuffixTree:
         """Bytes the arrays hold (what the tree costs in memory)."""
         return self.nodes.nbytes + self.stamps.nbytes + self.free.nbytes + self.table.nbytes
 
-    def arrays(self) -> tuple[np.ndarray, ...]:
-        """(nodes, stamps, table, free, meta): the arguments every kernel takes first."""
-        return self.nodes, self.stamps, self.table, self.free, self.meta
-
     def reserve(self, new_nodes: int) -> None:
         """Make room for `new_nodes` more nodes and their hash entries."""
-        needed = int(self.meta[USED]) + new_nodes
+        used, entries = self.meta[USED], self.meta[HASH_COUNT]
+        if used + new_nodes <= len(self.nodes) and entries + new_nodes <= self.max_entries:
+            return  # the common case, decided without a Python int conversion
+        needed = int(used) + new_nodes
         if needed > len(self.nodes):
             size = max(needed, 2 * len(self.nodes))
             self.nodes = np.concatenate([self.nodes, np.empty((size - len(self.nodes), FIELDS), np.int32)])
@@ -364,8 +360,9 @@ class SuffixTree:
         entries = int(self.meta[HASH_COUNT]) + new_nodes
         if entries > MAX_LOAD * len(self.table):
             table = np.full((_table_size(max(entries, 2 * int(self.meta[HASH_COUNT]))), 2), -1, np.int64)
-            kernels()["_rehash"](self.table, table)
+            _rehash(self.table, table)
             self.table = table
+        self.max_entries = int(MAX_LOAD * len(self.table))
 
     def start_rows(
         self, roots: np.ndarray, starts: np.ndarray | None = None
@@ -394,7 +391,8 @@ class SuffixTree:
             max_new_tokens = int(np.maximum(ends - state[:, 1], 0).sum())
         self.reserve(max_new_tokens * self.max_depth)
         mirror = tokens if mirror is None else mirror
-        kernels()["_append_rows"](*self.arrays(), active, state, tokens, ends, self.max_depth, mirror)
+        _append_rows(self.nodes, self.stamps, self.table, self.free, self.meta, active, state, tokens, ends,
+                     self.max_depth, mirror)  # fmt: skip
 
     def add(self, tokens: np.ndarray, root_index: int = 0) -> None:
         """Append one whole sequence (`tokens` [n] int64) to tree `root_index`."""
@@ -405,14 +403,14 @@ class SuffixTree:
     def remove(self, tokens: np.ndarray, root_index: int = 0) -> None:
         """Take back a sequence added to tree `root_index` with `add` (the same tokens)."""
         tokens = np.ascontiguousarray(tokens, np.int64)
-        kernels()["_remove"](*self.arrays(), int(self.roots[root_index]), tokens, self.max_depth)
+        _remove(self.nodes, self.stamps, self.table, self.free, self.meta, int(self.roots[root_index]), tokens,
+                self.max_depth)  # fmt: skip
 
     def counts(self, string: list[int], root_index: int = 0) -> tuple[int, int]:
         """(COUNT, TOTAL) of the node of `string` in tree `root_index`, (0, 0) when it is not there (for tests)."""
         node = int(self.roots[root_index])
-        find = kernels()["_find"]
         for token in string:
-            node = find(self.table, node, int(token))
+            node = _find(self.table, node, int(token))
             if node < 0:
                 return 0, 0
         return int(self.nodes[node, COUNT]), int(self.nodes[node, TOTAL])

@@ -19,7 +19,7 @@ from first_tokens_law import check_first_tokens, exact_joint_law
 
 import hf_specdec
 from hf_specdec.batch import RaggedBatch
-from hf_specdec.proposers.suffix import SuffixProposer, draft_key
+from hf_specdec.proposers.suffix import SuffixProposer
 from hf_specdec.proposers.suffix_cache import SuffixCache
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -66,12 +66,6 @@ def test_drafts_on_a_ragged_batch_and_the_rows_join_the_global_tree_when_they_le
     assert cache.outputs[-1].tolist() == [5, 6, 7, 8, 5, 6, 7]  # its prompt (up to D tokens) and output
     proposer.detach()
     assert cache.num_requests == 3 and cache.outputs[-1].tolist()[-3:] == [43, 44, 50]
-
-
-def test_draft_keys_bucket_the_match_length():
-    assert draft_key(np.array([0, 1, 2, 3, 4, 5, 6, 8, 9, 12, 13, 17, 18, 24])).tolist() == [
-        0, 1, 2, 3, 4, 4, 5, 5, 6, 6, 7, 7, 8, 8,
-    ]  # fmt: skip
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
@@ -127,12 +121,17 @@ def test_rows_that_stop_early_publish_their_outputs(target):
 
 def test_static_steps_are_planned_and_captured(target, emulated_graphs, monkeypatch):
     """On static caches the drafts are made on the host in `plan_step` and the captured step reads them: with
-    emulated CUDA graphs the output equals plain's and the steps replay."""
+    emulated CUDA graphs the output equals plain's and the steps replay; a second call adopts the first call's kept
+    graphs (and its draft tensors, which its own `plan_step` then fills with drafts from the global tree)."""
     from hf_specdec.decoding import SpeculativeLoop
+    from hf_specdec.step_graph import StepGraph
 
     keys: list = []
     plan_step = SpeculativeLoop.plan_step
     monkeypatch.setattr(SpeculativeLoop, "plan_step", lambda self: keys.append(plan_step(self)) or keys[-1])
+    adopted: list[bool] = []
+    reuse = StepGraph._reuse
+    monkeypatch.setattr(StepGraph, "_reuse", lambda self: (reuse(self), adopted.append(self.entry is not None)))
     inputs = make_prompts(3, seed=21)
     expected = target.generate(**inputs, max_new_tokens=32, **GREEDY)
     for schedule in ("constant", "adaptive"):
@@ -144,6 +143,7 @@ def test_static_steps_are_planned_and_captured(target, emulated_graphs, monkeypa
             assert torch.equal(out, expected)
             assert spec.last_stats.num_graph_replays > 0
     assert ("draft", ()) in keys
+    assert adopted[:2] == [False, True]
 
 
 def test_sampling_follows_the_target_law():

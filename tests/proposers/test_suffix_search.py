@@ -16,7 +16,9 @@ import pytest
 from hf_specdec.proposers.suffix_search import (
     COUNT_COLUMN,
     GLOBAL_COLUMN,
+    KEY_COLUMN,
     MATCH_COLUMN,
+    key_of,
     suffix_drafts,
     suffix_drafts_reference,
 )
@@ -42,7 +44,8 @@ def draft(
     active, state = local.start_rows(local.roots)
     row = np.array([context], np.int64)
     local.append_rows(active, state, row, np.array([len(context)]))
-    out, scores = suffix_drafts(local, active, state, row, tree, np.array([budget]), k, factor, min_prob)
+    out, scores, widest = suffix_drafts(local, active, state, row, tree, np.array([budget]), k, factor, min_prob)
+    assert widest == out[0, k + COUNT_COLUMN]
     count = int(out[0, k + COUNT_COLUMN])
     return out[0, :count].tolist(), int(out[0, k + MATCH_COLUMN]), bool(out[0, k + GLOBAL_COLUMN]), float(scores[0])
 
@@ -106,7 +109,20 @@ def test_a_batch_with_left_padding_and_mixed_rows():
     active, state = local.start_rows(local.roots, starts)
     tokens = np.array(rows, np.int64)
     local.append_rows(active, state, tokens, np.array([8, 8, 8]))
-    out, _ = suffix_drafts(local, active, state, tokens, tree, np.array([4, 4, 1]), k, 1.0, 0.1)
+    out, _, widest = suffix_drafts(local, active, state, tokens, tree, np.array([4, 4, 1]), k, 1.0, 0.1)
+    assert widest == 2
     assert out[0, :2].tolist() == [7, 5] and out[0, k] == 2  # padding (token 0) is not context
     assert out[1, k] == 1 and out[1, 0] == 8  # [8, 8] -> 8 (the row's own)
     assert out[2, :1].tolist() == [31] and out[2, k] == 1  # budget 1
+
+
+def test_draft_keys_bucket_the_match_length():
+    lengths = [0, 1, 2, 3, 4, 5, 6, 8, 9, 12, 13, 17, 18, 24]
+    assert [key_of(m) for m in lengths] == [0, 1, 2, 3, 4, 4, 5, 5, 6, 6, 7, 7, 8, 8]
+    tree = SuffixTree(24)
+    local = SuffixTree(24)
+    active, state = local.start_rows(local.roots)
+    row = np.array([list(range(10, 30)) + [99] + list(range(10, 30))], np.int64)  # matches 20 tokens back
+    local.append_rows(active, state, row, np.array([row.shape[1]]))
+    out, _, _ = suffix_drafts(local, active, state, row, tree, np.array([8]), 8, 1.0, 0.1)
+    assert out[0, 8 + MATCH_COLUMN] == 20 and out[0, 8 + KEY_COLUMN] == 8 and out[0, :1].tolist() == [99]

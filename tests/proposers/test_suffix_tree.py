@@ -40,7 +40,7 @@ def own_drafts(context: list[int], tree: SuffixTree | None, depth: int, budget: 
     active, state = local.start_rows(local.roots)
     row = np.array([context], np.int64)
     local.append_rows(active, state, row, np.array([len(context)]))
-    out, _ = suffix_drafts(local, active, state, row, tree, np.array([budget]), 8, 1.0, 0.1)
+    out, _, _ = suffix_drafts(local, active, state, row, tree, np.array([budget]), 8, 1.0, 0.1)
     return out[0, : out[0, 8]].tolist()
 
 
