@@ -261,6 +261,7 @@ def run_group(models: Models, group: Group, rounds: int, eager_rounds: int, spy:
         stats: dict[str, list[dict]] = {name: [] for name in calls}
         identical: dict[str, list[bool]] = {name: [] for name in calls}
         for name, call in calls.items():
+            print(f"[{group.name}] first call of {name}", flush=True)
             first[name], (out, spec) = timed(call)
             stats[name].append(dict(call_stats(spec), warmup=True))
             identical[name].append(bool(torch.equal(out, reference)))

@@ -77,9 +77,23 @@ class CudaGraphs:
     @staticmethod
     @contextlib.contextmanager
     def capture(graph: torch.cuda.CUDAGraph) -> Iterator[None]:
+        """Capture into the graph's own memory pool, cuBLAS's workspace included.
+
+        cuBLAS keeps one workspace per handle and stream, made at its first matmul. Left alone, every graph captured
+        after the first would run its matmuls in a workspace held by whoever made it: the first graph's pool, or the
+        caching allocator. Torch's compiled CUDA graphs (`mode="reduce-overhead"`, what compiled plain `generate`
+        uses) drop those workspaces whenever they record, and the first graph goes when its kept entry is dropped:
+        a later replay then ran its matmuls in freed memory (an H100 grid run faulted with "unspecified launch
+        failure" once a model's kept entries overflowed). So the workspaces are dropped before the capture, the
+        capture's first matmul makes one in this graph's private pool (which lives as long as the graph), and they
+        are dropped again after it, so that nothing else ever runs in it (as torch's own graph trees do)."""
         torch.cuda.synchronize()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            yield
+        torch._C._cuda_clearCublasWorkspaces()
+        try:
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                yield
+        finally:
+            torch._C._cuda_clearCublasWorkspaces()
 
 
 #: The graph implementation steps are captured with (its `device_type`: where the static route may capture).

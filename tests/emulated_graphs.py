@@ -6,17 +6,24 @@ garbage until the first replay (a real capture computes nothing). A replay re-ru
 tensors: no Python runs, so Python numbers, shapes and branches are those of the capture, as on a GPU. An op that
 reads device data on the host (`.item()`, `.tolist()`, `nonzero`, boolean indexing, ...) fails the capture, as
 CUDA refuses it ("operation not permitted when stream is capturing").
+
+Like a real graph, a recorded op holds no tensor that existed before the capture: it holds the address (the
+storage, with the tensor's offset, shape and stride) and rebuilds the tensor there at each replay. If the program
+drops every tensor on such a storage, a GPU would hand its memory to the next allocation and the replay would read or
+write whatever lives there then (how a replay faults with an illegal memory access); here the replay raises
+`StaleGraphInput` instead, naming the op that reads it.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 aten = torch.ops.aten
 
@@ -49,14 +56,47 @@ def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     return found
 
 
+class StaleGraphInput(RuntimeError):
+    """A replay reads memory that the program freed (on a GPU): no tensor outside the graph holds its storage."""
+
+
+@dataclass(frozen=True)
+class _Address:
+    """Where a tensor that existed before the capture lives: what a real graph records instead of the tensor."""
+
+    storage: torch.UntypedStorage  # the graph's one handle on it (not counted as the program's)
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    reader: str  # the first op that used it, for the error
+
+    def tensor(self) -> torch.Tensor:
+        if torch._C._storage_Use_Count(self.storage._cdata) <= 1:  # only this handle
+            raise StaleGraphInput(
+                f"a replayed graph reads a {self.dtype} tensor of shape {self.shape} (first used by {self.reader}) "
+                "that the program no longer holds: on a GPU its memory was freed and may hold anything now"
+            )
+        out = torch.empty(0, dtype=self.dtype, device=self.storage.device)
+        return out.set_(self.storage, self.offset, self.shape, self.stride)
+
+
 class EmulatedGraph:
-    """The ops of one captured step, on fixed tensors."""
+    """The ops of one captured step: tensors made during the capture, and the addresses of those made before."""
 
     def __init__(self) -> None:
         self.ops: list[tuple[Any, tuple, dict, list[torch.Tensor | None]]] = []
+        self.storages: dict[int, torch.UntypedStorage] = {}  # data_ptr -> the one handle per external storage
+
+    def address(self, tensor: torch.Tensor, reader: str) -> _Address:
+        ptr = tensor.untyped_storage().data_ptr()
+        storage = self.storages.setdefault(ptr, tensor.untyped_storage())
+        return _Address(storage, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype,
+                        reader)  # fmt: skip
 
     def replay(self) -> None:
         for func, args, kwargs, outputs in self.ops:
+            args, kwargs = tree_map(lambda v: v.tensor() if isinstance(v, _Address) else v, (args, kwargs))
             results = tree_flatten(func(*args, **kwargs))[0]
             for out, new in zip(outputs, results):
                 if out is not None and new is not out:
@@ -89,6 +129,8 @@ class _Recorder(TorchDispatchMode):
             ):
                 self.saved_keys.add(key)
                 self.saved.append((tensor, tensor.clone()))
+        if func in (aten.lift_fresh.default, aten.lift_fresh_copy.default):  # `torch.tensor(...)` during the capture:
+            self.created.add(args[0].untyped_storage().data_ptr())  # made in the graph's own pool on a GPU
         result = func(*args, **kwargs)
         outputs: list[torch.Tensor | None] = []
         for value, returned in zip(tree_flatten(result)[0], _returns(func, result)):
@@ -100,6 +142,17 @@ class _Recorder(TorchDispatchMode):
                 self.created.add(value.untyped_storage().data_ptr())
                 self.outputs.append(value)
             outputs.append(None if aliases else value)  # a view re-made at replay would alias the same data
+        def held(value: Any) -> Any:  # a tensor from before the capture: its address only, as a real graph holds
+            if (
+                isinstance(value, torch.Tensor)
+                and value.numel()
+                and value.untyped_storage().data_ptr() not in self.created
+                and not value.is_sparse
+            ):
+                return self.graph.address(value, str(func))
+            return value
+
+        args, kwargs = tree_map(held, (args, kwargs))
         self.graph.ops.append((func, args, kwargs, outputs))
         return result
 

@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 from conftest import EOS_ID, PAD_ID, make_model, make_noisy_copy, make_prompts, spec_generate
-from emulated_graphs import EmulatedGraph, EmulatedGraphs
+from emulated_graphs import EmulatedGraph, EmulatedGraphs, StaleGraphInput
 
 import hf_specdec
 
@@ -33,6 +33,23 @@ def test_the_emulation_replays_without_python_and_refuses_host_reads():
         with EmulatedGraphs.capture(EmulatedGraph()):
             x.sum().item()
     assert x.tolist() == [2, 3, 4, 5]
+
+
+def test_the_emulation_refuses_a_replay_that_reads_a_freed_tensor():
+    """A real graph holds addresses, not tensors: a replay after the program dropped a tensor it reads would read
+    freed memory on a GPU (an illegal memory access, or silently wrong data). The emulation names it instead."""
+    kept, dropped = torch.arange(4.0), torch.ones(4)
+    view = kept[1:]  # a view made before the capture and dropped after it: its storage is still held by `kept`
+    graph = EmulatedGraph()
+    with EmulatedGraphs.capture(graph):
+        made = torch.tensor([1.0, 2.0, 3.0])  # made during the capture: the graph's own memory on a GPU
+        out = view * 2 + dropped[1:] + made
+    del view
+    graph.replay()
+    assert out.tolist() == [4.0, 7.0, 10.0]
+    del dropped
+    with pytest.raises(StaleGraphInput, match=r"shape \(4,\) \(first used by aten.slice"):
+        graph.replay()
 
 
 @pytest.mark.parametrize("schedule", ["constant", "adaptive"])

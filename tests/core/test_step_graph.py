@@ -93,3 +93,29 @@ def test_what_calls_share_is_not_any_calls_step_state(monkeypatch):
     owners = state_owners(roots[0])
     assert any(isinstance(o, adaptive.AdaptiveSchedule) for o in owners)  # the walk reaches the schedule...
     assert not [type(o).__name__ for o in owners if isinstance(o, shared)]  # ...and nothing calls share
+
+
+@pytest.mark.requires_cuda
+def test_a_kept_graph_runs_its_matmuls_in_its_own_workspace():
+    """Each captured step owns cuBLAS's workspace of its capture (in its private pool). Before, every graph after
+    the first ran its matmuls in the first one's: once that graph was dropped and torch's graph trees (compiled
+    plain `generate`) dropped the workspaces, a replay wrote into memory the allocator had handed out again."""
+    from hf_specdec.step_graph import CudaGraphs
+
+    torch.manual_seed(0)
+    a, b = torch.randn(512, 4096, device="cuda"), torch.randn(4096, 512, device="cuda")  # split-K: uses a workspace
+    graphs, outs = [], []
+    for _ in range(2):
+        graph = CudaGraphs.new()
+        with CudaGraphs.capture(graph):
+            outs.append(a @ b)
+        graphs.append(graph)
+    del graphs[0], outs[0]  # the first graph goes (a kept entry dropped)
+    torch._C._cuda_clearCublasWorkspaces()  # what torch's graph trees do whenever they record
+    torch.cuda.empty_cache()
+    fillers = [torch.full((2**22,), 7.0, device="cuda") for _ in range(64)]  # the freed memory, handed out again
+    for _ in range(3):
+        graphs[0].replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(outs[0], a @ b)
+    assert all(bool((f == 7.0).all()) for f in fillers)
