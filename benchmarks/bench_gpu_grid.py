@@ -1,0 +1,416 @@
+"""Grid benchmark on one GPU (issue 38): hf_specdec with no flags against plain and compiled plain `generate`, over
+targets, drafts, prompt and answer lengths, batch sizes, acceptance and sampling, each axis covered, not the cross
+product.
+
+The grid (`GRID`, 28 points in 16 groups): targets shaped like Llama 3.x 1B / 3B (the 4B class) / 8B (vocabulary
+128 256) and Qwen3 1.7B / 4B / 8B (151 936, explicit head_dim); drafts of 2, 4, 16 and 28 layers; prompts of 128,
+1 024 and 4 096 tokens; answers of 64, 256 and 1 024; batches 1, 4, 16, 64 (ragged prompts); alpha 0, 0.5, 0.7,
+0.8; greedy and sampling (T = 0.8, top-p 0.9). Each axis moves away from the tuned set-up (8B Llama, 4-layer
+124M-shaped draft, 128-token prompt, 64-token answer, B = 1) alone; the shortest answer wherever the answer is not
+the axis. `grid_models.py` builds the models (random weights on the GPU, a target with a clear greedy rule and a
+synthetic draft right with probability alpha).
+
+A group is one target and one shape (batch, prompt, answer, sampling); its points are the arms run on it. Per group,
+in one process: a warm-up round (every arm's first call at these shapes, timed: plain eager's is the reference
+output; compiled plain runs twice, its second call compiles again), then `--rounds` rounds (3), each timing compiled
+plain and then every arm once; ratios are per round against that round's compiled plain, reported as min and
+median. Plain eager is timed once (its first call at the shapes) unless `--eager-rounds` asks for more (it is the
+costliest arm: 30 ms a token at 8B). Arms: hf_specdec with no flags through `custom_generate` with a fresh
+`SpecDecoder(draft_model=draft)` per call; at a few points the same through `hf_specdec.install()` and
+`assistant_model=draft` (no other flag); at one a fresh draft object every call. Library state is never reset
+between rounds or groups (what users get); each alpha is its own draft object. S* per point comes from forward costs
+measured on the same machine (`grid_models.forward_seconds`: replayed CUDA graphs of a 1-wide and a (k + 1)-wide
+target forward and of the draft's forwards, at the group's mid-answer context).
+
+Run (one H100, about 8 minutes in all, split in two commands of under 10 minutes; see `--estimate`):
+    PYTHONPATH=. python benchmarks/bench_gpu_grid.py --part a grid_a.json
+    PYTHONPATH=. python benchmarks/bench_gpu_grid.py --part b grid_b.json
+    python benchmarks/bench_gpu_grid.py --plot docs/grid_h100.png grid_a.json grid_b.json
+    PYTHONPATH=. python benchmarks/bench_gpu_grid.py --profile 'q8-p1k-n256/d28@0.7' profile.json
+`--dry-run` runs all of it on the CPU with tiny shapes (and, where tests/emulated_graphs.py is present, the captured
+static path that a GPU takes, with CUDA graphs emulated).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+import hf_specdec
+from benchmarks import grid_models as gm
+from hf_specdec import routing
+
+K = 5  # SpecDecoder's default num_speculative_tokens: hf_specdec runs with no flag
+SAMPLING = dict(temperature=0.8, top_p=0.9, top_k=0)
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One hf_specdec arm of a group: a draft, its alpha and the route a user takes."""
+
+    draft: str  # grid_models.DRAFTS key
+    alpha: float
+    route: str = "custom"  # custom_generate + SpecDecoder; "install": install() + assistant_model=; "fresh": a new
+    #: draft object every call (nothing learned or kept for it), through custom_generate
+
+    @property
+    def name(self) -> str:
+        return f"{self.draft}@{self.alpha:g}" + ("" if self.route == "custom" else f"+{self.route}")
+
+
+@dataclass(frozen=True)
+class Group:
+    """A target and a shape; its arms are the grid's points there (they share the baselines' timings)."""
+
+    name: str
+    target: str  # grid_models.TARGETS key
+    batch: int
+    prompt: int
+    answer: int
+    arms: tuple[Arm, ...]
+    sample: bool = False
+    part: str = "a"  # which command runs it (each stays under the 10-minute limit of one command)
+    axis: str = ""  # the axis it moves along, away from the tuned set-up
+
+
+GRID = (
+    Group("8b-tuned", "llama-8b", 1, 128, 64, (Arm("d4", 0.8), Arm("d4", 0.8, "install"), Arm("d4", 0.5),
+          Arm("d4", 0.0), Arm("d4", 0.0, "install")), axis="alpha, install route"),
+    Group("8b-depth", "llama-8b", 1, 128, 64, (Arm("d2", 0.8), Arm("d16", 0.8), Arm("d28", 0.8)), axis="draft depth"),
+    Group("8b-fresh", "llama-8b", 1, 128, 64, (Arm("d4", 0.0, "fresh"),), axis="a new draft object every call"),
+    Group("8b-sampling", "llama-8b", 1, 128, 64, (Arm("d4", 0.8),), sample=True, axis="sampling"),
+    Group("8b-n256", "llama-8b", 1, 128, 256, (Arm("d4", 0.0), Arm("d4", 0.8)), axis="answer length"),
+    Group("8b-p1k", "llama-8b", 1, 1024, 64, (Arm("d4", 0.8),), axis="prompt length"),
+    Group("8b-p4k", "llama-8b", 1, 4096, 64, (Arm("d4", 0.0), Arm("d4", 0.8)), axis="prompt length"),
+    Group("8b-b4", "llama-8b", 4, 128, 64, (Arm("d4", 0.8),), axis="batch"),
+    Group("8b-b16", "llama-8b", 16, 128, 64, (Arm("d4", 0.8),), axis="batch"),
+    Group("8b-b64", "llama-8b", 64, 128, 64, (Arm("d4", 0.0), Arm("d4", 0.8)), axis="batch"),
+    Group("q8-p1k-n256", "qwen3-8b", 1, 1024, 256, (Arm("d28", 0.7), Arm("d28", 0.0)), part="b",
+          axis="the held-out pair: Qwen3 layout, 28-layer draft, longer prompt and answer"),
+    Group("q8-tuned", "qwen3-8b", 1, 128, 64, (Arm("d4", 0.8),), part="b", axis="target layout"),
+    Group("1b-n1024", "llama-1b", 1, 128, 1024, (Arm("d2", 0.0), Arm("d2", 0.8)), part="b",
+          axis="answer length, target size"),
+    Group("q1.7b", "qwen3-1.7b", 1, 128, 64, (Arm("d2", 0.8),), part="b", axis="target size"),
+    Group("q4b", "qwen3-4b", 1, 128, 64, (Arm("d4", 0.0), Arm("d4", 0.8)), part="b", axis="target size"),
+    Group("3b", "llama-3b", 1, 128, 64, (Arm("d4", 0.8),), part="b", axis="target size"),
+)  # fmt: skip
+
+#: `--dry-run`: the grid's lengths and batches, shrunk for tiny CPU models (each distinct value stays distinct)
+TINY_PROMPTS = {128: 16, 1024: 32, 4096: 64}
+TINY_ANSWERS = {64: 8, 256: 16, 1024: 32}
+TINY_BATCHES = {1: 1, 4: 2, 16: 3, 64: 4}
+
+
+def point_id(group: Group, arm: Arm) -> str:
+    return f"{group.name}/{arm.name}"
+
+
+def shape(group: Group) -> tuple[int, int, int]:
+    """(batch, prompt, answer) as run: the grid's, or their tiny stand-ins in a dry run."""
+    if gm.Setup.tiny:
+        return TINY_BATCHES[group.batch], TINY_PROMPTS[group.prompt], TINY_ANSWERS[group.answer]
+    return group.batch, group.prompt, group.answer
+
+
+class Models:
+    """The current target (one at a time: an 8B model is 16 GB) and its drafts, built on demand, freed on a switch."""
+
+    def __init__(self) -> None:
+        self.name: str | None = None
+        self.target: Any = None
+        self.rule: torch.Tensor | None = None
+        self.drafts: dict[str, Any] = {}
+        self.by_alpha: dict[tuple[str, float], Any] = {}
+        self.build_seconds: dict[str, float] = {}
+
+    def use(self, name: str) -> None:
+        if name == self.name:
+            return
+        self.release()
+        start = time.perf_counter()
+        layout, target_shape = gm.TARGETS[name]
+        self.target = gm.build(layout, target_shape, seed=0)
+        self.rule = gm.make_decisive(self.target)
+        self.name = name
+        gm.sync()
+        self.build_seconds[name] = time.perf_counter() - start
+
+    def release(self) -> None:
+        """Drop the target and its drafts (their kept graphs and compiled calls go with them: the models hold them)."""
+        self.name = self.target = self.rule = None
+        self.drafts.clear()
+        self.by_alpha.clear()
+        gc.collect()
+        if gm.Setup.device == "cuda":
+            torch._dynamo.reset()  # compiled plain's graphs of the old target (the next target compiles its own)
+            torch.cuda.empty_cache()
+
+    def draft(self, arm: Arm) -> Any:
+        """The arm's draft object: one per (draft, alpha), kept across rounds; a new one per call for "fresh"."""
+        if arm.draft not in self.drafts:
+            start = time.perf_counter()
+            self.drafts[arm.draft] = gm.build_draft(gm.TARGETS[self.name][0], arm.draft, self.rule)
+            self.build_seconds[f"{self.name}/{arm.draft}"] = time.perf_counter() - start
+        base = self.drafts[arm.draft]
+        if arm.route == "fresh":
+            return gm.with_alpha(base, arm.alpha)
+        key = (arm.draft, arm.alpha)
+        if key not in self.by_alpha:
+            self.by_alpha[key] = gm.with_alpha(base, arm.alpha)
+        return self.by_alpha[key]
+
+
+class InstallSpy:
+    """The SpecDecoder that `install()` built for the latest routed call (read-only: only to read its `last_stats`)."""
+
+    def __init__(self) -> None:
+        self.specs: list[hf_specdec.SpecDecoder] = []
+        self._build = routing._spec_from_kwargs
+
+        def spied(model, kwargs):  # noqa: ANN001, ANN202
+            spec = self._build(model, kwargs)
+            if spec is not None:
+                self.specs[:] = [spec]
+            return spec
+
+        routing._spec_from_kwargs = spied
+
+
+def call_stats(spec: hf_specdec.SpecDecoder | None) -> dict[str, Any]:
+    """What one hf_specdec call did (from `last_stats`): acceptance, drafting share, graph replays and captures,
+    calibration, whether it adopted kept graphs."""
+    s = spec.last_stats if spec is not None else None
+    if s is None:
+        return {}
+    return dict(acceptance=round(s.acceptance_rate, 3), drafting_share=round(s.num_drafting_row_steps
+                / max(1, s.num_row_steps), 3), steps=s.num_steps, replays=s.num_graph_replays,
+                capture_s=round(s.compile_time_s, 3), calibration_s=round(s.calibration_time_s, 3),
+                adopted=s.adopted_graphs, spec=spec.to_dict())  # fmt: skip
+
+
+def arm_call(models: Models, arm: Arm, inputs: dict, gen: dict, spy: InstallSpy):  # noqa: ANN201
+    """A function running one call of `arm`, returning (output, the SpecDecoder it ran with)."""
+
+    def call() -> tuple[torch.Tensor, hf_specdec.SpecDecoder | None]:
+        draft = models.draft(arm)
+        if arm.route == "install":
+            out = models.target.generate(**inputs, **gen, assistant_model=draft)
+            return out, spy.specs[-1] if spy.specs else None
+        spec = hf_specdec.SpecDecoder(draft_model=draft)
+        return models.target.generate(**inputs, **gen, custom_generate=hf_specdec.generate, spec_decoder=spec), spec
+
+    return call
+
+
+def timed(fn):  # noqa: ANN001, ANN201
+    gm.sync()
+    start = time.perf_counter()
+    result = fn()
+    gm.sync()
+    return time.perf_counter() - start, result
+
+
+def forward_costs(models: Models, group: Group) -> dict[str, Any]:
+    """Replayed forward costs at the group's batch and mid-answer context: the target 1 and k + 1 wide, each draft
+    1 and 2 wide (seconds), and whether each was replayed as a graph."""
+    batch, prompt, answer = shape(group)
+    context = prompt + answer // 2
+    costs: dict[str, Any] = {"context": context}
+    for name, width in (("target_w1", 1), ("target_verify", K + 1)):
+        costs[name], costs[f"{name}_graphed"] = gm.forward_seconds(models.target, batch, context, width)
+    for draft in sorted({arm.draft for arm in group.arms}):
+        model = models.draft(Arm(draft, 0.0))
+        for width in (1, 2):
+            costs[f"{draft}_w{width}"], costs[f"{draft}_w{width}_graphed"] = gm.forward_seconds(model, batch, context,
+                                                                                               width)  # fmt: skip
+    return costs
+
+
+def rule_agreement(models: Models, reference: torch.Tensor, prompt: int) -> float:
+    """Share of generated tokens that follow the target's rule (the synthetic drafts assume it)."""
+    new = reference[:, prompt - 1 :]
+    return float((models.rule[new[:, :-1]] == new[:, 1:]).float().mean())
+
+
+def run_group(models: Models, group: Group, rounds: int, eager_rounds: int, spy: InstallSpy) -> dict[str, Any]:
+    """Warm-up round, then `rounds` interleaved rounds of compiled plain and every arm (see the module doc)."""
+    started = time.perf_counter()
+    models.use(group.target)
+    batch, prompt, answer = shape(group)
+    layout = gm.TARGETS[group.target][0]
+    inputs = gm.prompts(batch, prompt, gm.vocab_size(layout))
+    gen = dict(max_new_tokens=answer, do_sample=group.sample, **(SAMPLING if group.sample else {}))
+    target = models.target
+    calls = {arm.name: arm_call(models, arm, inputs, gen, spy) for arm in group.arms}
+    compiled_before = _compiled_graphs()
+    first: dict[str, float] = {}
+    with torch.no_grad():
+        first["plain_eager"], reference = timed(lambda: target.generate(**inputs, **gen))
+        times: dict[str, list[float]] = {"plain_compiled": [], "plain_eager": []}
+        stats: dict[str, list[dict]] = {name: [] for name in calls}
+        identical: dict[str, list[bool]] = {name: [] for name in calls}
+        for name, call in calls.items():
+            first[name], (out, spec) = timed(call)
+            stats[name].append(dict(call_stats(spec), warmup=True))
+            identical[name].append(bool(torch.equal(out, reference)))
+            times[name] = []
+        for i in (1, 2):  # its second call compiles again
+            first[f"plain_compiled_{i}"], _ = timed(lambda: target.generate(**inputs, **gen,
+                                                                           cache_implementation="static"))  # fmt: skip
+        for r in range(rounds):
+            if r < eager_rounds:
+                times["plain_eager"].append(timed(lambda: target.generate(**inputs, **gen))[0])
+            times["plain_compiled"].append(timed(lambda: target.generate(**inputs, **gen,
+                                                                         cache_implementation="static"))[0])  # fmt: skip
+            for name, call in calls.items():
+                seconds, (out, spec) = timed(call)
+                times[name].append(seconds)
+                stats[name].append(call_stats(spec))
+                identical[name].append(bool(torch.equal(out, reference)))
+        costs = forward_costs(models, group)
+    eager = statistics.median(times["plain_eager"]) if times["plain_eager"] else first["plain_eager"]
+    tokens = batch * answer
+    points = []
+    for arm in group.arms:
+        per_round = [c / o for c, o in zip(times["plain_compiled"], times[arm.name])]
+        draft_costs = dict(costs, draft_w1=costs[f"{arm.draft}_w1"], draft_w2=costs[f"{arm.draft}_w2"])
+        points.append(dict(
+            id=point_id(group, arm), group=group.name, axis=group.axis, target=group.target, draft=arm.draft,
+            alpha=arm.alpha, route=arm.route, batch=batch, prompt=prompt, answer=answer, sample=group.sample,
+            vs_compiled=dict(min=min(per_round), median=statistics.median(per_round), rounds=per_round),
+            vs_eager=eager / statistics.median(times[arm.name]),
+            tokens_per_s=tokens / statistics.median(times[arm.name]), first_call_s=first[arm.name],
+            identical=None if group.sample else all(identical[arm.name]), stats=stats[arm.name],
+            **gm.ideal_speedup(arm.alpha, K, draft_costs),
+        ))  # fmt: skip
+        print(json.dumps({key: points[-1][key] for key in ("id", "s_star", "first_call_s", "identical")}
+                         | {"vs_compiled": [round(points[-1]["vs_compiled"][q], 3) for q in ("min", "median")],
+                            "acceptance": points[-1]["stats"][-1].get("acceptance"),
+                            "drafting_share": points[-1]["stats"][-1].get("drafting_share")}), flush=True)  # fmt: skip
+    return dict(
+        group=asdict(group),
+        shape=dict(batch=batch, prompt=prompt, answer=answer),
+        first_call_s=first,
+        seconds=times,
+        tokens_per_s=dict(
+            plain_eager=tokens / eager, plain_compiled=tokens / statistics.median(times["plain_compiled"])
+        ),  # fmt: skip
+        forward_costs=costs,
+        compiled_graphs=_compiled_graphs() - compiled_before,
+        rule_agreement=rule_agreement(models, reference, prompt),
+        points=points,
+        group_seconds=time.perf_counter() - started,
+    )
+
+
+def _compiled_graphs() -> int:
+    from hf_specdec import compat
+
+    return compat.num_compiled_graphs()
+
+
+def selected(part: str, names: list[str] | None) -> list[Group]:
+    groups = [g for g in GRID if part == "all" or g.part == part]
+    return [g for g in groups if not names or g.name in names]
+
+
+def meta(args: argparse.Namespace) -> dict[str, Any]:
+    device = torch.cuda.get_device_name() if gm.Setup.device == "cuda" else platform.processor() or "cpu"
+    return dict(gpu=device, torch=torch.__version__, transformers=transformers.__version__,
+                python=platform.python_version(), command=" ".join(sys.argv), rounds=args.rounds,
+                eager_rounds=args.eager_rounds, k=K, dry_run=args.dry_run)  # fmt: skip
+
+
+def limit_recompiles() -> None:
+    """Compiled plain compiles one graph per target and shape (two, counting its second call), all under one code
+    object: dynamo's default limit of 8 would silently drop the later ones back to eager forwards."""
+    config = torch._dynamo.config
+    limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # its older name
+    setattr(config, limit, 256)
+    if hasattr(config, "accumulated_recompile_limit"):
+        config.accumulated_recompile_limit = 4096
+
+
+def emulate_graphs() -> bool:
+    """Dry run: the captured static path a GPU takes, on the CPU (tests/emulated_graphs.py), if the tests are here."""
+    tests = Path(__file__).resolve().parent.parent / "tests"
+    if not (tests / "emulated_graphs.py").exists():
+        return False
+    sys.path.insert(0, str(tests))
+    from emulated_graphs import EmulatedGraphs
+
+    from hf_specdec import cache_route, plan, step_graph
+
+    step_graph.GRAPHS = EmulatedGraphs
+    choose = cache_route.choose_route
+
+    def captured_default(model, spec, config, cache=None):  # noqa: ANN001, ANN202 - the CUDA default, on the CPU
+        if config.cache_implementation is None and cache_route.default_blocker(model, spec, config, cache) is None:
+            return cache_route.CacheRoute(static=True, compile=False, by_default=True)
+        return choose(model, spec, config, cache)
+
+    plan.choose_route = captured_default
+    return True
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", nargs="*", help="JSON to write (a run or --profile), or the JSONs to read (--plot)")
+    parser.add_argument("--part", choices=["a", "b", "all"], default="all")
+    parser.add_argument("--groups", nargs="+", default=None, help="only these groups (names in GRID)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--eager-rounds", type=int, default=0, help="timed plain eager calls after its first")
+    parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU: the whole grid's logic")
+    parser.add_argument("--plot", metavar="PNG", default=None, help="plot the JSONs given as `out`")
+    parser.add_argument("--profile", metavar="POINT", default=None, help="profile one point (an id printed by a run)")
+    parser.add_argument("--estimate", action="store_true", help="print the estimated H100 seconds per group")
+    args = parser.parse_args()
+    if args.plot:
+        from benchmarks.grid_report import plot
+
+        plot([json.loads(Path(p).read_text()) for p in args.out], Path(args.plot))
+        return
+    if args.estimate:
+        from benchmarks.grid_report import estimate
+
+        estimate(selected(args.part, args.groups), args.rounds, args.eager_rounds)
+        return
+    if args.dry_run:
+        gm.Setup.use_tiny()
+        emulated = emulate_graphs()
+    torch.set_grad_enabled(False)
+    limit_recompiles()
+    hf_specdec.install()  # as a user who routes assistant_model= would; other calls pass through unchanged
+    spy = InstallSpy()
+    out = Path(args.out[0]) if args.out else None
+    if args.profile:
+        from benchmarks.grid_profile import profile_point
+
+        group, arm = next((g, a) for g in GRID for a in g.arms if point_id(g, a) == args.profile)
+        result = profile_point(Models(), group, arm, spy)
+    else:
+        result = {"meta": meta(args) | ({"emulated_graphs": emulated} if args.dry_run else {}), "groups": []}
+        models = Models()
+        for group in selected(args.part, args.groups):
+            result["groups"].append(run_group(models, group, args.rounds, args.eager_rounds, spy))
+            result["meta"]["build_seconds"] = models.build_seconds
+            if out:  # after each group: a run cut short keeps what it measured
+                out.write_text(json.dumps(result, indent=1))
+        models.release()
+    if out:
+        out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""`bench_gpu_grid.py --profile POINT`: where one grid point's time goes, to find what to fix at the worst points.
+
+After the point's warm-up (each of hf_specdec's arm and compiled plain called twice), it reports per step of one
+hf_specdec call: the wall time; the host's share, split into the loop's parts (the step's plan: the schedule's
+choice and a draft's catch-up; the graph launch or eager step; the wait for the step's one host read and the
+retirement of rows; the schedule's bookkeeping after it), measured by wrapping those methods (no extra sync); the
+device's busy time and top kernels under `torch.profiler`; and compiled plain's per-step time and top kernels
+beside it (a captured eager step runs unfused kernels where compiled plain runs fused ones).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from benchmarks import grid_models as gm
+from benchmarks.profile_batched_gpu import kernel_class
+from hf_specdec import decoding, draft_budgets, step_graph
+
+#: the loop's parts timed on the host: (class, method, label)
+PARTS = (
+    (decoding.SpeculativeLoop, "plan_step", "plan (schedule choice, catch-up)"),
+    (step_graph.StepGraph, "run", "launch (replay, or eager step)"),
+    (decoding.SpeculativeLoop, "retire_finished", "wait for the step's host read, retire"),
+    (draft_budgets.DraftBudgets, "after_step", "schedule bookkeeping"),
+)
+
+
+@contextlib.contextmanager
+def host_parts() -> Iterator[dict[str, float]]:
+    """Seconds spent in each of `PARTS` (outermost calls only) while the context is open."""
+    totals: dict[str, float] = defaultdict(float)
+    originals = [(cls, name, getattr(cls, name)) for cls, name, _ in PARTS]
+
+    def wrap(fn, label: str):  # noqa: ANN001, ANN202
+        def timed(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                totals[label] += time.perf_counter() - start
+
+        return timed
+
+    for (cls, name, fn), (_, _, label) in zip(originals, PARTS):
+        setattr(cls, name, wrap(fn, label))
+    try:
+        yield totals
+    finally:
+        for cls, name, fn in originals:
+            setattr(cls, name, fn)
+
+
+def kernels(fn) -> dict[str, Any]:  # noqa: ANN001
+    """Device time (us) by kernel class, the top kernels, and the host's top operators of one call of `fn`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = gm.Setup.device == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        fn()
+        gm.sync()
+    by_class: dict[str, float] = defaultdict(float)
+    device_rows, host_rows = [], []
+    for event in prof.key_averages():
+        device_us = getattr(event, "self_device_time_total", 0.0) if cuda else 0.0
+        if device_us > 0:
+            by_class[kernel_class(event.key)] += device_us
+            device_rows.append((device_us, event.count, event.key[:100]))
+        if event.self_cpu_time_total > 0:
+            host_rows.append((event.self_cpu_time_total, event.count, event.key[:100]))
+    device_rows.sort(reverse=True)
+    host_rows.sort(reverse=True)
+    return dict(device_us=sum(by_class.values()), by_class_us=dict(by_class),
+                top_kernels=[dict(us=u, count=c, name=n) for u, c, n in device_rows[:15]],
+                top_host_ops=[dict(us=u, count=c, name=n) for u, c, n in host_rows[:15]])  # fmt: skip
+
+
+def profile_point(models, group, arm, spy) -> dict[str, Any]:  # noqa: ANN001
+    from benchmarks.bench_gpu_grid import SAMPLING, arm_call, call_stats, point_id, shape, timed
+
+    models.use(group.target)
+    batch, prompt, answer = shape(group)
+    inputs = gm.prompts(batch, prompt, gm.vocab_size(gm.TARGETS[group.target][0]))
+    gen = dict(max_new_tokens=answer, do_sample=group.sample, **(SAMPLING if group.sample else {}))
+    ours = arm_call(models, arm, inputs, gen, spy)
+
+    def compiled() -> torch.Tensor:
+        return models.target.generate(**inputs, **gen, cache_implementation="static")
+
+    with torch.no_grad():
+        for _ in range(2):
+            ours()
+            compiled()
+        with host_parts() as parts:
+            seconds, (_, spec) = timed(ours)
+        stats = call_stats(spec)
+        steps = max(1, stats.get("steps", 1))
+        compiled_seconds, _ = timed(compiled)
+        ours_kernels = kernels(ours)
+        compiled_kernels = kernels(compiled)
+    result = dict(
+        point=point_id(group, arm), shape=dict(batch=batch, prompt=prompt, answer=answer), stats=stats,
+        ours_ms_per_step=seconds / steps * 1e3, compiled_ms_per_token_step=compiled_seconds / answer * 1e3,
+        host_ms_per_step={label: value / steps * 1e3 for label, value in parts.items()},
+        ours_device_ms_per_step=ours_kernels["device_us"] / steps / 1e3,
+        compiled_device_ms_per_step=compiled_kernels["device_us"] / answer / 1e3,
+        ours_kernels=ours_kernels, compiled_kernels=compiled_kernels,
+    )  # fmt: skip
+    print(f"{result['point']}: hf_specdec {result['ours_ms_per_step']:.2f} ms/step over {steps} steps "
+          f"(device busy {result['ours_device_ms_per_step']:.2f} ms/step), compiled plain "
+          f"{result['compiled_ms_per_token_step']:.2f} ms/step (device {result['compiled_device_ms_per_step']:.2f})")  # fmt: skip
+    print("host per step (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in result["host_ms_per_step"].items()))
+    print("stats:", {k: v for k, v in stats.items() if k != "spec"})
+    for name, found in (("hf_specdec", ours_kernels), ("compiled plain", compiled_kernels)):
+        print(f"{name}: device us by class { ({k: round(v) for k, v in found['by_class_us'].items()}) }")
+        for row in found["top_kernels"][:10]:
+            print(f"   {row['us']:10.0f} us  x{row['count']:<5d} {row['name']}")
+        print(f"{name}: top host operators")
+        for row in found["top_host_ops"][:8]:
+            print(f"   {row['us']:10.0f} us  x{row['count']:<5d} {row['name']}")
+    return result
