@@ -189,14 +189,14 @@ class InstallSpy:
 
 def call_stats(spec: hf_specdec.SpecDecoder | None) -> dict[str, Any]:
     """What one hf_specdec call did (from `last_stats`): acceptance, drafting share, graph replays and captures,
-    calibration, whether it adopted kept graphs."""
+    calibration, whether it adopted kept graphs (and why not)."""
     s = spec.last_stats if spec is not None else None
     if s is None:
         return {}
     return dict(acceptance=round(s.acceptance_rate, 3), drafting_share=round(s.num_drafting_row_steps
                 / max(1, s.num_row_steps), 3), steps=s.num_steps, replays=s.num_graph_replays,
                 capture_s=round(s.compile_time_s, 3), calibration_s=round(s.calibration_time_s, 3),
-                adopted=s.adopted_graphs, spec=spec.to_dict())  # fmt: skip
+                graph_reuse=s.graph_reuse, graph_reuse_reason=s.graph_reuse_reason, spec=spec.to_dict())  # fmt: skip
 
 
 def arm_call(models: Models, arm: Arm, inputs: dict, gen: dict, spy: InstallSpy):  # noqa: ANN201
