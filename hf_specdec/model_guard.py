@@ -183,7 +183,7 @@ def _read(model: torch.nn.Module) -> tuple[list, list, list, list]:
         # attributes. When none of them is a container, a tensor or a config, their (name, value) pairs are taken
         # as they are (built in C; compared by identity, then value); otherwise each is read on its own.
         torch_first = tuple(itertools.islice(state, _NUM_INTERNAL)) == _INTERNAL
-        if torch_first and "_compiled_call" not in state and model_slots.NAMES.isdisjoint(state):
+        if torch_first and "_compiled_call" not in state and not any(name in state for name in model_slots.NAMES):
             kinds = set(map(type, itertools.islice(state.values(), _NUM_INTERNAL, None)))
             if kinds <= _AS_IS_TYPES or _learn(kinds):
                 tensors.append(tuple(own))
