@@ -90,7 +90,8 @@ def test_calls_that_adopt_graphs_kept_from_other_calls_equal_plain(patterned, mo
     graph_reuse.clear(target)
 
 
-def test_a_draft_behind_after_plain_steps_catches_up_in_few_forwards_and_one_graph(patterned, monkeypatch):
+@pytest.mark.parametrize("method", ["draft", "early_exit"])
+def test_a_draft_behind_after_plain_steps_catches_up_in_few_forwards_and_one_graph(patterned, monkeypatch, method):
     """After m steps without drafts the draft is m + 2 tokens behind. It used to catch up 2 tokens per eager forward
     of the whole draft before the drafting step's graph (m / 2 forwards: 63 after the adaptive schedule's 128 plain
     steps between two re-measurements of a useless draft), and to land 1 or 2 behind: two keys of one drafting graph,
@@ -98,9 +99,11 @@ def test_a_draft_behind_after_plain_steps_catches_up_in_few_forwards_and_one_gra
     from hf_specdec.proposers.draft_model import DraftModelProposer, catch_up_widths
 
     target, spec, inputs = _setup("draft")
+    if method == "early_exit":  # the target's first layer drafts (a DraftModelProposer with its own static view)
+        spec = hf_specdec.SpecDecoder(method="early_exit", early_exit_layers=1, num_speculative_tokens=3)
     widths: list[int] = []
     planning = []
-    hook = spec.draft_model.register_forward_hook(
+    hook = (spec.draft_model if method == "draft" else target).register_forward_hook(
         lambda module, args, kwargs, out: widths.append(kwargs["input_ids"].shape[1]) if planning else None,
         with_kwargs=True,
     )
