@@ -472,6 +472,10 @@ class AdaptiveSchedule(SpeculationSchedule):
         if self.pending is not None:
             self.pending.measured = False
 
+    def restart_timing(self) -> None:
+        if self.pending is not None:
+            self.pending.start = time.perf_counter()
+
     def trim(self, proposal: Proposal) -> torch.Tensor:  # [B]
         num = proposal.num_draft_tokens.cpu()
         keys = proposal.draft_keys.cpu() if proposal.draft_keys is not None else torch.zeros_like(num)

@@ -11,7 +11,6 @@ import functools
 import inspect
 import itertools
 import types
-import weakref
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -19,6 +18,8 @@ import torch
 from torch.nn.modules import module as torch_module
 from transformers import CompileConfig, DynamicCache, GenerationConfig, PreTrainedModel, StaticCache, cache_utils
 from transformers.generation import utils as generation_utils
+
+from hf_specdec import model_slots
 
 #: The cache layer of layers that keep no cache (Gemma 4's KV-shared layers); None on transformers without it.
 DUMMY_LAYER = getattr(cache_utils, "DummyLayer", None)
@@ -134,8 +135,9 @@ def compiled_call_without_graphs(
     return _guarded_compile(model, settings, guard)
 
 
-#: model -> {compile settings: (guard, its compiled __call__)}
-_COMPILED_CALLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: the attribute under which a model holds {compile settings: (guard, its compiled __call__)} (`model_slots`: a
+#: module-level table keyed weakly by the model kept every compiled model alive, the compiled call referring to it)
+_COMPILED_CALLS = "_hf_specdec_compiled_calls"
 
 
 def _guarded_compile(
@@ -143,7 +145,7 @@ def _guarded_compile(
 ) -> Callable:
     """`torch.compile(model.__call__, **settings)`, once per settings and guard (`first()` makes the first one)."""
     key = repr(sorted(settings.items(), key=lambda item: item[0]))
-    calls = _COMPILED_CALLS.setdefault(model, {})
+    calls = model_slots.held(model, _COMPILED_CALLS, dict)
     known = calls.get(key)
     if known is not None and known[0] == guard:
         return known[1]
@@ -171,7 +173,7 @@ def _fresh_call(model: torch.nn.Module) -> Callable:
 
 def forget_compiled(model: torch.nn.Module) -> None:
     """Drop hf_specdec's compiled calls of `model` (the next static call compiles anew)."""
-    _COMPILED_CALLS.pop(model, None)
+    model_slots.drop(model, _COMPILED_CALLS)
 
 
 def num_compiled_graphs() -> int:

@@ -272,6 +272,7 @@ class SpeculativeLoop:
         if self.budgets.plan(self.batch, self.k) == 0:
             return ("plain",)
         inner = self.proposer.plan_step(self.batch)
+        self.budgets.restart_timing()  # a draft's catch-up after plain steps is not the drafting step's own cost
         return None if inner is None else ("draft", inner)
 
     def _fits(self) -> bool:

@@ -67,6 +67,11 @@ class DraftBudgets:
         self.planned_width = k if bool((budgets > 0).any()) else 0
         return self.planned_width
 
+    def restart_timing(self) -> None:
+        """The host work since `plan` (the proposer's catch-up) is not the step's own cost."""
+        if self.schedule is not None:
+            self.schedule.restart_timing()
+
     def budgets(self, batch: RaggedBatch, room: torch.Tensor) -> torch.Tensor:  # [B]
         """Drafts each row may have this step: the loop's `room` ([B]) and the schedule's choice."""
         if self.schedule is None:

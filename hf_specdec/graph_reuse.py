@@ -6,6 +6,8 @@ everything a graph bakes in (batch size, `max_length`, k, cache length, the mode
 settings). A later call with the same signature copies its own state into the homes and points its attributes at
 them (`adopt`), then replays. One call at a time uses an entry (a concurrent call with the same signature captures
 its own); at most `MAX_ENTRIES` are kept per model, the oldest dropped; `clear(model)` drops a model's entries.
+The model itself holds its entries (`hf_specdec.model_slots`): they go with it (a module-level table keyed weakly by
+the model kept every such model alive, since an entry's loop refers back to it).
 
 An entry also keeps the `model_guard.Fingerprint` of every model its graphs ran (the target and the models its
 proposer drives), taken when the call that captured them began. A call adopts an entry only when its own models'
@@ -34,7 +36,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache
 
-from hf_specdec import compat
+from hf_specdec import compat, model_slots
 from hf_specdec.model_guard import Fingerprint, model_serial
 
 REUSE_ENV = "HF_SPECDEC_REUSE_GRAPHS"
@@ -64,8 +66,19 @@ class Entry:
     model_ids: frozenset[int] = frozenset()  # the models the graphs ran (`forget` drops entries of any of them)
 
 
-_ENTRIES: weakref.WeakKeyDictionary[object, list[Entry]] = weakref.WeakKeyDictionary()
+#: the attribute under which a model holds its kept entries (`model_slots`)
+_SLOT = "_hf_specdec_kept_graphs"
+#: the models holding entries (weakly: `clear` of a draft finds the targets whose entries ran it)
+_HOLDERS: weakref.WeakSet = weakref.WeakSet()
 _LOCK = threading.Lock()
+
+
+def entries(model: object, create: bool = False) -> list[Entry]:
+    """`model`'s kept entries, oldest first (an empty list, not kept, when it has none and `create` is False)."""
+    found = model_slots.held(model, _SLOT, list if create else None)
+    if create:
+        _HOLDERS.add(model)
+    return found if found is not None else []
 
 
 def enabled() -> bool:
@@ -122,8 +135,8 @@ def checkout(
         return None, f"{REUSE_ENV}=0"
     why = "no kept graphs of this model with these shapes and settings"
     with _LOCK:
-        entries = _ENTRIES.get(model, [])
-        for entry in list(entries):
+        kept = entries(model)
+        for entry in list(kept):
             if entry.signature != signature:
                 continue
             if entry.in_use:
@@ -131,7 +144,7 @@ def checkout(
                 continue
             difference = changed(entry.guard) if changed is not None and entry.guard is not None else None
             if difference is not None:
-                entries.remove(entry)
+                kept.remove(entry)
                 why = f"the model changed since its graphs were kept ({difference})"
                 continue
             entry.in_use = True
@@ -142,9 +155,9 @@ def checkout(
 def drop(model: object, entry: Entry) -> None:
     """Forget `entry` (its call saw a model change: its graphs may replay either model)."""
     with _LOCK:
-        entries = _ENTRIES.get(model, [])
-        if entry in entries:
-            entries.remove(entry)
+        kept = entries(model)
+        if entry in kept:
+            kept.remove(entry)
 
 
 def keep(model: object, entry: Entry) -> None:
@@ -154,15 +167,15 @@ def keep(model: object, entry: Entry) -> None:
         return
     with _LOCK:
         entry.in_use = False
-        entries = _ENTRIES.setdefault(model, [])
-        if entry in entries:
+        kept = entries(model, create=True)
+        if entry in kept:
             return
-        if any(e.signature == entry.signature for e in entries) or entry_bytes(entry) > MAX_KEPT_BYTES:
+        if any(e.signature == entry.signature for e in kept) or entry_bytes(entry) > MAX_KEPT_BYTES:
             return  # a concurrent call kept one for this signature first, or it holds too much memory
-        entries.append(entry)
-        del entries[:-MAX_ENTRIES]
-        while sum(entry_bytes(e) for e in entries) > MAX_KEPT_BYTES:
-            del entries[0]
+        kept.append(entry)
+        del kept[:-MAX_ENTRIES]
+        while sum(entry_bytes(e) for e in kept) > MAX_KEPT_BYTES:
+            del kept[0]
 
 
 def entry_bytes(entry: Entry) -> int:
@@ -177,9 +190,10 @@ def entry_bytes(entry: Entry) -> int:
 def clear(model: object) -> None:
     """Drop the kept graphs of `model` and of every target whose calls ran it (a draft), with the caches they hold."""
     with _LOCK:
-        _ENTRIES.pop(model, None)
-        for entries in _ENTRIES.values():
-            entries[:] = [e for e in entries if id(model) not in e.model_ids or e.in_use]
+        model_slots.drop(model, _SLOT)
+        for holder in list(_HOLDERS):
+            kept = entries(holder)
+            kept[:] = [e for e in kept if id(model) not in e.model_ids or e.in_use]
 
 
 def forget_graphs(model: torch.nn.Module) -> None:

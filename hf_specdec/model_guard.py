@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PretrainedConfig
 
-from hf_specdec import compat
+from hf_specdec import compat, model_slots
 
 _PLAIN = (bool, int, float, str, type(None))
 _PLAIN_TYPES = frozenset(_PLAIN)
@@ -185,7 +185,7 @@ def _read(model: torch.nn.Module) -> tuple[list, list, list, list]:
         # attributes. When none of them is a container, a tensor or a config, their (name, value) pairs are taken
         # as they are (built in C; compared by identity, then value); otherwise each is read on its own.
         torch_first = tuple(itertools.islice(state, _NUM_INTERNAL)) == _INTERNAL
-        if torch_first and "_compiled_call" not in state:
+        if torch_first and "_compiled_call" not in state and not any(name in state for name in model_slots.NAMES):
             kinds = set(map(type, itertools.islice(state.values(), _NUM_INTERNAL, None)))
             if kinds <= _AS_IS_TYPES or _learn(kinds):
                 tensors.append(tuple(own))
@@ -194,7 +194,7 @@ def _read(model: torch.nn.Module) -> tuple[list, list, list, list]:
                 continue
         values: list[tuple] = [("training", state["training"])]
         for key, value in itertools.islice(state.items(), _NUM_INTERNAL, None) if torch_first else state.items():
-            if key in skipped or key.startswith(_OWN_SLOTS):
+            if key in skipped or key.startswith(_OWN_SLOTS) or key in model_slots.NAMES:  # hf_specdec's own slots
                 continue
             if type(value) in plain:
                 values.append((key, value))

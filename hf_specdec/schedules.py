@@ -53,6 +53,10 @@ class SpeculationSchedule:
         """The step just run took longer than such steps will (a warm-up, a CUDA graph capture, a compaction):
         a schedule that learns step costs leaves it out."""
 
+    def restart_timing(self) -> None:
+        """Host work between the step's choice and its device work (a draft's catch-up after steps without drafts)
+        is not the step's own cost: a schedule that times steps starts its clock again."""
+
     def select_rows(self, keep: torch.Tensor) -> None:
         """Rows `keep` ([B'] indices) stay in the batch; the others finished."""
 

@@ -99,6 +99,7 @@ class StaticCacheView(CacheView):
         num_new: torch.Tensor,  # [B] tokens to feed per row, from cached_lengths[i] on
         logits_to_keep: int | None = None,
         width: int | None = None,  # fixed slot count (a CUDA graph per width); None: max(num_new) (host sync)
+        eager: bool = False,  # the model's own forward even where a compiled one exists (a width that is not a step's)
     ) -> torch.Tensor:  # [B, width, V] float32 logits of the fed slots
         if width is None:
             width = int(num_new.max().item())
@@ -115,7 +116,7 @@ class StaticCacheView(CacheView):
             if isinstance(mask, dict):
                 mask["linear_attention"] = padding
             self.recurrent.start_forward(self.cached_lengths, valid, padding)
-        call = self.model if not self.prefilled or self.compiled_call is None else self.compiled_call
+        call = self.model if eager or not self.prefilled or self.compiled_call is None else self.compiled_call
         compiled_before = 0
         own_graph = call is not self.model and not self.plan.capture_steps  # a compiled call with its own CUDA graph
         if own_graph:

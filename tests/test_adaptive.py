@@ -445,6 +445,33 @@ def test_captured_steps_price_each_kind_by_its_own_steady_steps(monkeypatch, alp
         assert second[2:].count("p") >= 0.9 * len(second[2:]), second
 
 
+def test_a_drafts_catch_up_before_its_step_is_not_priced_as_the_step(monkeypatch):
+    """After plain steps a draft catches up eagerly between the schedule's choice and the step's graph (up to 63
+    forwards of the whole draft after 128 plain steps, before `catch_up_widths`). That is a cost of switching back to
+    drafting, not of a drafting step: the loop restarts the step's clock after it (`restart_timing`), so a drafting
+    step costs what its replay took (here 17 ms), not 0.5 s more."""
+
+    class Model:
+        pass
+
+    clock = FakeClock()
+    monkeypatch.setattr(adaptive.time, "perf_counter", clock)
+    schedule = AdaptiveSchedule(4, Model(), "draft:0", propose_first=False, draft_share=0.015, static=True)
+    schedule.calibrate(lambda width: 0.01)
+    schedule.start(1, torch.device("cpu"))
+    batch = RaggedBatch(torch.zeros(1, 4, dtype=torch.long), torch.full((1,), 4), torch.zeros(1, dtype=torch.long),
+                        torch.arange(1), 4)  # fmt: skip
+    for _ in range(6):
+        used = schedule.host_budgets(batch)  # [1]
+        if int(used.max()):  # drafting (the schedule explores it first): each time after a 0.5 s catch-up
+            clock.now += 0.5
+            schedule.restart_timing()
+        clock.now += 0.017 if int(used.max()) else 0.0105
+        schedule.observe(used, torch.zeros_like(used))
+    steps = schedule.costs(1).at(context_bucket(1.0))
+    assert steps.samples.get(5, 0) >= 2 and steps.seconds[5] == pytest.approx(0.017)
+
+
 def test_one_slow_drafting_step_does_not_switch_a_paying_draft_off(monkeypatch):
     """The first steady drafting step takes 30x its cost (a garbage collection, a graph's first launch), and so does
     a later one: each is one sample among the recent ones, whose median (the lower of the first two) stays the

@@ -136,12 +136,10 @@ class DraftModelProposer(Proposer):
             if threshold is not None and j > 0 and not static and not bool(drafting.any()):
                 break  # every row stopped on a low-confidence draft: skip the remaining draft forwards
             if static and j == 0:
-                # Every row the draft can still serve catches up, drafting or not, 2 slots at a time (one graph):
-                # steps that drafted leave it at most 2 behind, steps without drafts 1 more each.
+                # Every row the draft can still serve catches up, drafting or not: steps that drafted leave it at most
+                # 2 behind (one 2-slot forward, the same graph for 1 and 2), steps without drafts 1 more each.
                 servable = self._servable(batch)
-                for _ in range((self.behind - 1) // 2):
-                    num_new = torch.where(servable, lengths - self.view.cached_lengths, 0).clamp(max=2)  # [B]
-                    self.view.forward(batch.token_ids, num_new, width=2)
+                self._catch_up(batch, servable)
                 num_new = torch.where(servable, lengths - self.view.cached_lengths, 0)  # [B] at most 2
                 logits = self.view.forward(batch.token_ids, num_new, width=2)  # [B, 2, V]
             elif static:
@@ -181,20 +179,28 @@ class DraftModelProposer(Proposer):
         )
 
     def plan_step(self, batch: RaggedBatch) -> Hashable | None:
-        """A drafting step's catch-up forwards depend on how far behind the draft is: steady state (after a step
-        that drafted) or the first step is one shape. After steps without drafts the draft first catches up here,
-        before the step's graph, 2 tokens per forward (the forwards `propose` would run), to 1 or 2 behind."""
+        """The key of a drafting step's graph: always 2 (the draft at most 2 behind, which its first forward of 2
+        slots takes). After steps without drafts the draft first catches up here, eagerly, before the step's graph
+        (`_catch_up`)."""
         if not self.capturable:
             return None
-        if self.behind == 1:  # the first step: 1 behind catches up in the same 2-slot forward as 2 behind (one key)
-            self.behind = 2
         if self.behind > 2 and self.view is not None and self.static is not None:
-            servable = self._servable(batch)
-            for _ in range((self.behind - 1) // 2):
-                num_new = torch.where(servable, batch.lengths - self.view.cached_lengths, 0).clamp(max=2)  # [B]
-                self.view.forward(batch.token_ids, num_new, width=2)
-            self.behind -= 2 * ((self.behind - 1) // 2)
+            self._catch_up(batch, self._servable(batch))
+        self.behind = 2  # 1 behind (a first step, or after a catch-up) runs the same 2-slot forward as 2 behind
         return self.behind
+
+    def _catch_up(self, batch: RaggedBatch, servable: torch.Tensor) -> None:  # servable: [B] bool
+        """Static caches: feed the draft every token it has not seen but each row's newest one or two, in
+        `catch_up_widths` forwards (eager, outside any graph), so that at most 2 are left for the step's first
+        forward. It is behind by one token per step without drafts: 2 tokens per forward took a forward per two
+        plain steps (63 forwards after the adaptive schedule's 128 plain steps between two re-measurements of a
+        useless draft, each an eager forward of the whole draft: on the CPU as long as 60 replayed plain steps).
+        Uncompiled also where the step's forwards are compiled: a compile per catch-up width would cost seconds."""
+        assert self.view is not None
+        for width in catch_up_widths(self.behind - 1):
+            num_new = (batch.lengths - 1 - self.view.cached_lengths).clamp(min=0, max=width)  # [B] leaves the newest
+            self.view.forward(batch.token_ids, torch.where(servable, num_new, 0), width=width, eager=True)
+        self.behind = min(self.behind, 2)
 
     def _servable(self, batch: RaggedBatch) -> torch.Tensor:  # [B] bool
         """Rows whose tokens all sit at positions the draft was built for (the others never draft again)."""
@@ -216,6 +222,22 @@ class DraftModelProposer(Proposer):
         if self.view is not None:
             self.view.select_rows(keep)
         self._drafted_probs = None
+
+
+#: Forward widths of a draft's catch-up on static caches, widest first (`catch_up_widths`).
+CATCH_UP_WIDTHS = (256, 128, 64, 32, 16, 8, 4, 2)
+
+
+def catch_up_widths(backlog: int) -> list[int]:
+    """Forward widths that feed `backlog` tokens, or all but one: the widest first, each slot a token of the row
+    that is furthest behind (so no slot is a hole there), at most `ceil(backlog / 256) + 7` forwards of at most 8
+    shapes. The catch-up runs eagerly, where a wide forward costs about what a narrow one does (launch-bound)."""
+    widths = []
+    for width in CATCH_UP_WIDTHS:
+        while backlog >= width:
+            widths.append(width)
+            backlog -= width
+    return widths
 
 
 def draft_position_limit(draft_model: PreTrainedModel) -> int | None:

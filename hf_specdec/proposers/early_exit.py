@@ -107,9 +107,9 @@ class _StaticEarlyExitView(StaticCacheView):
         self.cache.layers = self.cache.layers[:num_layers]  # the draft never writes the others
         self.compiled_call = None  # eager (captured with the step on a GPU): compiled code would guard on the config
 
-    def forward(self, token_ids, num_new, logits_to_keep=None, width=None):  # noqa: ANN001, ANN201
+    def forward(self, token_ids, num_new, logits_to_keep=None, width=None, eager=False):  # noqa: ANN001, ANN201
         with truncated(self.model, self.num_layers):
-            return super().forward(token_ids, num_new, logits_to_keep, width)
+            return super().forward(token_ids, num_new, logits_to_keep, width, eager)
 
 
 class EarlyExitProposer(DraftModelProposer):

@@ -88,3 +88,45 @@ def test_calls_that_adopt_graphs_kept_from_other_calls_equal_plain(patterned, mo
             assert torch.equal(out, plain[b]), (name, b)
     assert adopted[:2] == [False, False] and all(adopted[2:])
     graph_reuse.clear(target)
+
+
+@pytest.mark.parametrize("method", ["draft", "early_exit"])
+def test_a_draft_behind_after_plain_steps_catches_up_in_few_forwards_and_one_graph(patterned, monkeypatch, method):
+    """After m steps without drafts the draft is m + 2 tokens behind. It used to catch up 2 tokens per eager forward
+    of the whole draft before the drafting step's graph (m / 2 forwards: 63 after the adaptive schedule's 128 plain
+    steps between two re-measurements of a useless draft), and to land 1 or 2 behind: two keys of one drafting graph,
+    so a second warm-up and capture. Now the backlog goes in the widest forwards first, and there is one key."""
+    from hf_specdec.proposers.draft_model import DraftModelProposer, catch_up_widths
+
+    target, spec, inputs = _setup("draft")
+    if method == "early_exit":  # the target's first layer drafts (a DraftModelProposer with its own static view)
+        spec = hf_specdec.SpecDecoder(method="early_exit", early_exit_layers=1, num_speculative_tokens=3)
+    widths: list[int] = []
+    planning = []
+    hook = (spec.draft_model if method == "draft" else target).register_forward_hook(
+        lambda module, args, kwargs, out: widths.append(kwargs["input_ids"].shape[1]) if planning else None,
+        with_kwargs=True,
+    )
+    plan_step = DraftModelProposer.plan_step
+
+    def planned(self, batch):  # noqa: ANN001, ANN202
+        planning.append(True)
+        try:
+            return plan_step(self, batch)
+        finally:
+            planning.pop()
+
+    monkeypatch.setattr(DraftModelProposer, "plan_step", planned)
+    keys = []
+    finish = step_graph.StepGraph.finish
+    monkeypatch.setattr(step_graph.StepGraph, "finish", lambda self: (keys.extend(self.graphs), finish(self)))
+    patterned.append(lambda n: n < 3 or n > 31)  # draft, then 29 plain steps (the draft 31 behind), then draft
+    gen = dict(max_new_tokens=64, do_sample=False, eos_token_id=None)
+    try:
+        out = spec_generate(target, inputs[1], spec, **gen, cache_implementation="static")
+    finally:
+        hook.remove()
+    assert torch.equal(out, target.generate(**inputs[1], **gen))
+    assert widths == catch_up_widths(30) == [16, 8, 4, 2]  # 30 of the 31 tokens, in 4 forwards (not 15)
+    assert sorted(keys) == [("draft", 2), ("plain",)]
+    graph_reuse.clear(target)

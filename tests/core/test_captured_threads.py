@@ -79,7 +79,7 @@ def test_eight_threads_on_emulated_captured_steps_give_lone_outputs(emulated_gra
     inputs = {b: make_prompts(b, seed=b, min_len=6, max_len=6) for b in BATCH_SIZES}  # one width: equal shapes
     alone = {b: spec_generate(target, inputs[b], spec, **gen) for b in BATCH_SIZES}
     assert spec.last_stats.num_graph_replays > 0
-    assert len(graph_reuse._ENTRIES[target]) == len(BATCH_SIZES)  # one kept entry per shape
+    assert len(graph_reuse.entries(target)) == len(BATCH_SIZES)  # one kept entry per shape
 
     from hf_specdec.step_graph import StepGraph
 

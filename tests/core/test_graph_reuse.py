@@ -69,7 +69,7 @@ def test_kept_entries_hold_at_most_max_kept_bytes(monkeypatch):
     monkeypatch.setattr(graph_reuse, "MAX_KEPT_BYTES", 2 * size)
     for i in range(3):
         graph_reuse.keep(model, entry(i))
-    assert [e.signature for e in graph_reuse._ENTRIES[model]] == [("B", 1), ("B", 2)]
+    assert [e.signature for e in graph_reuse.entries(model)] == [("B", 1), ("B", 2)]
     monkeypatch.setattr(graph_reuse, "MAX_KEPT_BYTES", size - 1)
     graph_reuse.clear(model)
     graph_reuse.keep(model, entry(3))
@@ -94,9 +94,35 @@ def test_an_entry_serves_one_call_at_a_time_and_only_its_signature(monkeypatch):
         graph_reuse.keep(
             model, graph_reuse.Entry(signature=("B", 10 + i), root=_state([[1]]), device=torch.device("cpu"))
         )
-    assert len(graph_reuse._ENTRIES[model]) == graph_reuse.MAX_ENTRIES
+    assert len(graph_reuse.entries(model)) == graph_reuse.MAX_ENTRIES
     graph_reuse.clear(model)
     assert graph_reuse.checkout(model, ("B", 10 + graph_reuse.MAX_ENTRIES + 1))[0] is None
+
+
+def test_models_with_kept_graphs_are_freed_when_dropped_and_copies_start_without_them(monkeypatch, emulated_graphs):
+    """Kept graphs refer back to their target and draft (the loop holds both). Held in a module-level table keyed
+    weakly by the model, they kept both models (and the kept static caches) alive for the whole process; the model
+    now holds them itself, so dropping the models frees everything, and a deep copy starts with no entries."""
+    import copy
+    import gc
+    import weakref
+
+    from conftest import make_model, make_noisy_copy, make_prompts, spec_generate
+
+    import hf_specdec
+
+    monkeypatch.delenv(graph_reuse.REUSE_ENV, raising=False)
+    target = make_model("llama", seed=0)
+    draft = make_noisy_copy(target)
+    inputs = make_prompts(1, seed=1, min_len=6, max_len=6)
+    spec = hf_specdec.SpecDecoder(draft_model=draft)
+    spec_generate(target, inputs, spec, max_new_tokens=8, do_sample=False, cache_implementation="static")
+    assert len(graph_reuse.entries(target)) == 1
+    assert graph_reuse.entries(copy.deepcopy(target)) == []
+    alive = weakref.ref(target), weakref.ref(draft)
+    del target, draft, spec
+    gc.collect()
+    assert [ref() is None for ref in alive] == [True, True]
 
 
 @pytest.mark.parametrize("method", ["draft", "ngram", "early_exit"])

@@ -222,3 +222,62 @@ def test_a_useless_draft_costs_little_more_than_plain_at_batch_4(target, install
     # The first call times 6 widths (k = 5) once; drafting stops after a few rejected steps.
     assert counts["target"] <= plain_forwards + 6 + 4, counts
     assert counts["draft"] <= 0.5 * plain_forwards, counts
+
+
+@pytest.mark.library_default
+def test_the_install_route_runs_the_custom_generate_plan_and_adopts_its_graphs(monkeypatch, emulated_graphs, target):
+    """`install()` + `assistant_model=draft` (no other flag) is the route most users meet; on an H100 it measured
+    slower and more variable than `custom_generate` with `SpecDecoder(draft_model=draft)` (issue 38). Both must run
+    one plan: the same SpecDecoder settings, the same graph signature and adaptive memory, so that a routed call
+    adopts the graphs a custom_generate call kept and the reverse (the GPU's default path: the captured static
+    route, emulated on the CPU)."""
+    from hf_specdec import adaptive, cache_route, graph_reuse, plan, routing
+    from hf_specdec.step_graph import StepGraph
+
+    monkeypatch.delenv(graph_reuse.REUSE_ENV, raising=False)
+    choose = cache_route.choose_route
+
+    def captured_default(model, spec, config, cache=None):  # noqa: ANN001, ANN202 - what a CUDA call gets
+        if config.cache_implementation is None and cache_route.default_blocker(model, spec, config, cache) is None:
+            return cache_route.CacheRoute(static=True, compile=False, by_default=True)
+        return choose(model, spec, config, cache)
+
+    monkeypatch.setattr(plan, "choose_route", captured_default)
+    graphs: list[StepGraph] = []
+    init = StepGraph.__init__
+    monkeypatch.setattr(StepGraph, "__init__", lambda self, *a, **k: (init(self, *a, **k), graphs.append(self))[0])
+    routed: list[hf_specdec.SpecDecoder] = []
+    build = routing._spec_from_kwargs
+    monkeypatch.setattr(routing, "_spec_from_kwargs", lambda *a: routed.append(build(*a)) or routed[-1])
+    draft = make_noisy_copy(target, 0.01, seed=11)  # its own serial: no kept graphs or costs from other tests
+    inputs = make_prompts(1, seed=5, min_len=6, max_len=6)
+    gen = dict(do_sample=False, max_new_tokens=MAX_NEW, eos_token_id=None)
+    plain = plain_greedy(target, inputs)
+    specs = []
+    hf_specdec.install()
+    try:
+        for route in ("custom", "install", "custom", "install"):
+            if route == "custom":
+                specs.append(hf_specdec.SpecDecoder(draft_model=draft))
+                out = target.generate(**inputs, **gen, custom_generate=hf_specdec.generate, spec_decoder=specs[-1])
+            else:
+                out = target.generate(**inputs, **gen, assistant_model=draft)
+                specs.append(routed[-1])
+            assert torch.equal(out, plain), route
+    finally:
+        hf_specdec.uninstall()
+    assert [s.to_dict() for s in specs[1:]] == [specs[0].to_dict()] * 3
+    assert len({g.signature for g in graphs}) == 1 and graphs[0].signature is not None
+    assert [s.last_stats.graph_reuse for s in specs] == ["captured", "adopted", "adopted", "adopted"]
+    assert [s.last_stats.calibration_time_s > 0 for s in specs] == [True, False, False, False]
+    assert (
+        len(
+            [
+                key
+                for key in adaptive._MEMORY[target].costs
+                if key[0].endswith(f":{adaptive.model_serial(draft)}@static")
+            ]
+        )
+        == 1
+    )
+    graph_reuse.clear(target)
