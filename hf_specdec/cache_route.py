@@ -76,6 +76,8 @@ def default_blocker(model: PreTrainedModel, spec: Any, generation_config: Genera
         return "encoder-decoder targets run on the dynamic cache"
     if spec.draft_tokenizer is not None:
         return "a draft with another tokenizer re-encodes text on the host every step"
+    if spec.method == "suffix" and spec.draft_model is not None:
+        return "suffix decoding with a draft model decides on the host, every step, whether the model drafts"
     if spec.method not in CAPTURABLE_METHODS:
         why = UNCAPTURED_METHODS.get(spec.method, "its steps decide on the host")
         return f"method={spec.method!r} is not captured: {why}"

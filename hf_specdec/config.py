@@ -43,13 +43,16 @@ class SpecDecoder:
             (a `Gemma4AssistantForCausalLM` as `draft_model`, reading the target's keys and values) or `"dflash"`
             (a DFlash block drafter as `draft_model`, fed the target's hidden states; HF's
             `speculation_type="dflash"`) or `"eagle3"` (an EAGLE-3 head as `draft_head`, fed the target's hidden
-            states). Defaults to `"eagle3"` when `draft_head` is given, `"gemma4_assistant"` when `draft_model` is a
+            states) or `"suffix"` (suffix decoding: suffix trees over each row's tokens and over earlier outputs;
+            with a `draft_model`, each row takes the trees' draft or the model's, whichever is worth more). Defaults
+            to `"eagle3"` when `draft_head` is given, `"gemma4_assistant"` when `draft_model` is a
             Gemma 4 assistant, `"draft"` when it is another model, `"early_exit"` when `early_exit_layers` is given,
             else `"ngram"`.
         draft_model (`PreTrainedModel`, *optional*):
             The draft model for `method="draft"`. It must have the target's vocabulary and sit on the
             target's device. For `method="gemma4_assistant"` the `Gemma4AssistantForCausalLM` (or its unified
-            twin) of a Gemma 4 target; for `method="dflash"` the DFlash drafter (`MuseGlimmerAssistantModel`).
+            twin) of a Gemma 4 target; for `method="dflash"` the DFlash drafter (`MuseGlimmerAssistantModel`); for
+            `method="suffix"` the draft model of the hybrid (optional).
         draft_head (`Eagle3Head`, *optional*):
             For `method="eagle3"`: an EAGLE-3 draft head from `hf_specdec.load_draft_head(path)` (the EAGLE authors'
             or the speculators layout), trained for the target. It reads the target's hidden states from the verify.
@@ -181,10 +184,11 @@ class SpecDecoder:
                 f"SpecDecoder(method={self.method!r}) was also given an mtp_model, which only method='mtp' uses: "
                 "drop mtp_model, or use method='mtp'."
             )
-        if self.method not in DRAFT_MODEL_METHODS and self.draft_model is not None:
+        if self.method not in (*DRAFT_MODEL_METHODS, "suffix") and self.draft_model is not None:
             raise ValueError(
                 f"SpecDecoder(method={self.method!r}) was also given a draft_model, which that method would ignore: "
-                "drop draft_model, or use method='draft'."
+                "drop draft_model, or use method='draft' (or method='suffix': suffix decoding with the draft model "
+                "where the suffix trees have nothing better)."
             )
         self._check_early_exit()
         if self.draft_tokenizer is not None:

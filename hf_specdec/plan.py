@@ -96,7 +96,7 @@ class CallPlan:
         config = generation_config
         check_supported_cache(model)
         check_call(model, input_ids, config, model_kwargs)
-        if spec.draft_model is not None and spec.method == "draft":
+        if spec.draft_model is not None and spec.method in ("draft", "suffix"):
             check_supported_cache(spec.draft_model, role="draft", needs_positions=not model.config.is_encoder_decoder)
         check_alibi_columns(model, spec, input_ids, config, model_kwargs)
         check_speculation_type(getattr(config, "speculation_type", None), spec)

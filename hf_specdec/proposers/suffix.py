@@ -207,7 +207,8 @@ class SuffixProposer(Proposer):
             return Proposal(self.draft_ids, counts, draft_probs=None, draft_keys=self.draft_keys)
         if batch.batch_size == 0:
             return Proposal.empty(0, batch.device)
-        widest = self._draft(_host(max_draft_tokens))
+        self.budgets = _host(max_draft_tokens)  # [B] host (the hybrid with a draft model reads them too)
+        widest = self._draft(self.budgets)
         k = self.num_speculative_tokens
         out = torch.from_numpy(self.out.copy()).to(batch.device)  # [B, k + 4] one copy: `self.out` is reused
         return Proposal(out[:, :widest], out[:, k + COUNT_COLUMN], draft_probs=None, draft_keys=out[:, k + KEY_COLUMN])

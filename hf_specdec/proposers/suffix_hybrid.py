@@ -1,0 +1,175 @@
+"""Suffix decoding with a draft model (`SpecDecoder(method="suffix", draft_model=draft)`): per row, the better draft.
+
+SuffixDecoding's hybrid mode (Oliaro et al. 2024; ArcticInference pairs it with a model drafter): a row takes the
+suffix trees' draft where their score beats what the model's drafts are worth, and the draft model's otherwise. The
+suffix score is the drafts the tree expects accepted (the sum of the draft's branch probabilities, `suffix_search`);
+the model's worth is measured, not guessed: a running mean of the drafts the target accepted per row and step where
+the model drafted (`model_worth`, 1.0 before any). Each step the suffix trees draft first (host work, microseconds);
+the draft model then drafts only for the rows that still want it, and not at all when none does: calls whose
+requests repeat earlier outputs skip the model's forwards. The choice reads only what the rows' history decided
+(the trees, the measured worth), never this step's model drafts, so sampled rows keep the target's law (a proposal
+chosen after looking at its own random draws would not).
+
+A model whose drafts are worth less than `MIN_MODEL_WORTH` accepted tokens a step drafts again only every
+`REPROBE_EVERY` steps, to notice when that changes. The model drafts at most `MODEL_K` tokens a row (the draft
+model's own default k), whatever k the suffix trees use (24 by default). The adaptive schedule sees every row's
+drafts and their keys: the suffix trees' match-length buckets, and `MODEL_KEY` for the model's.
+
+Dynamic caches only: a captured static step cannot decide per step, on the host, whether the model's forwards run
+(the route says so once and takes the dynamic path).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from hf_specdec.proposers import ProposerContext, register
+from hf_specdec.proposers import draft_model as draft_model_module
+from hf_specdec.proposers import suffix as suffix_module
+from hf_specdec.proposers.base import Proposal, Proposer
+from hf_specdec.proposers.suffix_search import MATCH_BUCKETS
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from hf_specdec.batch import RaggedBatch
+    from hf_specdec.config import SpecDecoder
+    from hf_specdec.proposers.draft_model import DraftModelProposer
+    from hf_specdec.proposers.suffix import SuffixProposer
+    from hf_specdec.sampling.processors import StepSampling
+
+__all__ = ["SuffixHybridProposer"]
+
+#: The most drafts the model makes per row and step (SpecDecoder's default k for a draft model).
+MODEL_K = 5
+#: The adaptive schedule's key of the model's drafts (after the suffix trees' match-length buckets).
+MODEL_KEY = len(MATCH_BUCKETS) + 2
+#: Below this many accepted drafts per row and step, the model drafts only every `REPROBE_EVERY` steps.
+MIN_MODEL_WORTH = 0.25
+REPROBE_EVERY = 32
+#: Weight of the latest step in the running mean of the model's worth.
+WORTH_DECAY = 0.1
+
+
+class SuffixHybridProposer(Proposer):
+    """Per row, the suffix trees' draft or the draft model's, whichever is worth more (see the module doc).
+
+    Args:
+        suffix (`SuffixProposer`): Drafts from the suffix trees (its k bounds every row's drafts).
+        model (`DraftModelProposer`): The draft model.
+    """
+
+    returns_probs = True  # the model's rows sample from the draft's distribution
+    stateless = False
+    proposes_cheaply = True  # every row proposes, the schedule then chooses how many to verify from the keys
+
+    def __init__(self, suffix: SuffixProposer, model: DraftModelProposer) -> None:
+        self.suffix = suffix
+        self.model = model
+        self.num_speculative_tokens = suffix.num_speculative_tokens
+        self.max_positions = model.max_positions  # `Top1Proposer` keeps every row's drafts below the model's limit
+        self.model_worth = 1.0  # measured accepted drafts per row and step where the model drafted
+        self.steps_without_model = 0
+        self.model_rows: np.ndarray | None = None  # [B] bool: rows the model drafted for in the latest step
+        self.lengths_before: np.ndarray | None = None  # [B] the rows' lengths when that step proposed
+
+    def attach(self, target: PreTrainedModel) -> None:
+        self.suffix.attach(target)
+        self.model.attach(target)
+
+    def detach(self) -> None:
+        self.suffix.detach()
+        self.model.detach()
+
+    def prefill(self, batch: RaggedBatch, sampling: StepSampling) -> None:
+        self.suffix.prefill(batch, sampling)
+        self.model.prefill(batch, sampling)
+        self.model_rows = None
+
+    def calibrate(self, time_verify: Callable[[int], float]) -> None:
+        self.suffix.calibrate(time_verify)
+        self.model.calibrate(time_verify)
+
+    def propose(
+        self,
+        batch: RaggedBatch,
+        max_draft_tokens: torch.Tensor,  # [B] int64, 0..k
+        sampling: StepSampling,
+        width: int | None = None,
+    ) -> Proposal:
+        """The suffix trees' drafts, then the model's for the rows whose suffix draft is worth less than its."""
+        size = batch.batch_size
+        if size == 0:
+            return Proposal.empty(0, batch.device)
+        ours = self.suffix.propose(batch, max_draft_tokens, sampling)  # one host read of the budgets, inside
+        budgets = self.suffix.budgets  # [B] host copy of max_draft_tokens
+        scores = self.suffix.scores[:size]  # [B] drafts the trees expect accepted
+        self.lengths_before = self.suffix.state[:, 1].copy()  # [B] host: what each row holds now
+        probing = self.model_worth >= MIN_MODEL_WORTH or self.steps_without_model >= REPROBE_EVERY
+        wants_model = (scores < self.model_worth) & (budgets > 0) if probing else np.zeros(size, np.bool_)  # [B]
+        self.model_rows = wants_model
+        if not wants_model.any():
+            self.steps_without_model += 1
+            return ours
+        self.steps_without_model = 0
+        model_budgets = np.where(wants_model, np.minimum(budgets, MODEL_K), 0)  # [B]
+        theirs = self.model.propose(
+            batch, torch.from_numpy(model_budgets).to(batch.device), sampling, width=int(model_budgets.max())
+        )
+        return _merge(ours, theirs, torch.from_numpy(wants_model).to(batch.device))
+
+    def commit(self, batch: RaggedBatch, num_accepted: torch.Tensor) -> None:
+        """Both follow the committed tokens; the model's worth learns from its rows (host lengths: no extra read)."""
+        self.suffix.commit(batch, num_accepted)  # reads the new lengths to the host
+        self.model.commit(batch, num_accepted)
+        rows = self.model_rows
+        if rows is not None and rows.any() and self.lengths_before is not None:
+            accepted = self.suffix.state[:, 1] - self.lengths_before - 1  # [B] drafts accepted this step
+            mean = float(accepted[rows].clip(min=0).mean())
+            self.model_worth += WORTH_DECAY * (mean - self.model_worth)
+        self.model_rows = None
+
+    def after_step(self) -> None:
+        self.suffix.after_step()
+        self.model.after_step()
+
+    def select_rows(self, keep: torch.Tensor) -> None:
+        self.suffix.select_rows(keep)
+        self.model.select_rows(keep)
+        self.model_rows = self.lengths_before = None
+
+
+def _merge(ours: Proposal, theirs: Proposal, model_rows: torch.Tensor) -> Proposal:  # model_rows: [B] bool
+    """One proposal: the model's drafts, probabilities and key on `model_rows`, the suffix trees' elsewhere (their
+    drafts one-hot where probabilities are needed)."""
+    width = max(ours.draft_token_ids.shape[1], theirs.draft_token_ids.shape[1])
+    pad = lambda ids: F.pad(ids, (0, width - ids.shape[1]), value=-1)  # noqa: E731 - [B, w] -> [B, width]
+    ids = torch.where(model_rows[:, None], pad(theirs.draft_token_ids), pad(ours.draft_token_ids))  # [B, width]
+    counts = torch.where(model_rows, theirs.num_draft_tokens, ours.num_draft_tokens)  # [B]
+    keys = torch.where(model_rows, MODEL_KEY, ours.draft_keys)  # [B]
+    probs = theirs.draft_probs  # [B, w', V] or None (greedy: one-hot drafts)
+    if probs is not None:
+        probs = F.pad(probs, (0, 0, 0, width - probs.shape[1]))  # [B, width, V]
+        one_hot = F.one_hot(ids.clamp(min=0), probs.shape[-1]).to(probs.dtype)  # [B, width, V]
+        probs = torch.where(model_rows[:, None, None], probs, one_hot)
+    return Proposal(draft_token_ids=ids, num_draft_tokens=counts, draft_probs=probs, draft_keys=keys)
+
+
+@register("suffix", when=lambda spec: spec.draft_model is not None)
+def from_spec(spec: SpecDecoder, target: PreTrainedModel, context: ProposerContext) -> SuffixHybridProposer:
+    """`method="suffix"` with `draft_model=`: suffix decoding, and the draft model where the trees have nothing
+    better."""
+    if context.static:
+        raise NotImplementedError(
+            "cache_implementation='static' does not support suffix decoding with a draft model (the hybrid decides "
+            "on the host, every step, whether the model drafts): drop cache_implementation='static', or drop "
+            "draft_model= for suffix decoding alone."
+        )
+    return SuffixHybridProposer(
+        suffix_module.from_spec(spec, target, context), draft_model_module.from_spec(spec, target, context)
+    )
