@@ -213,14 +213,6 @@ def arm_call(models: Models, arm: Arm, inputs: dict, gen: dict, spy: InstallSpy)
     return call
 
 
-def timed(fn):  # noqa: ANN001, ANN201
-    gm.sync()
-    start = time.perf_counter()
-    result = fn()
-    gm.sync()
-    return time.perf_counter() - start, result
-
-
 def forward_costs(models: Models, group: Group) -> dict[str, Any]:
     """Replayed forward costs at the group's batch and mid-answer context: the target 1 and k + 1 wide, each draft
     1 and 2 wide (seconds), and whether each was replayed as a graph."""
@@ -256,26 +248,26 @@ def run_group(models: Models, group: Group, rounds: int, eager_rounds: int, spy:
     compiled_before = _compiled_graphs()
     first: dict[str, float] = {}
     with torch.no_grad():
-        first["plain_eager"], reference = timed(lambda: target.generate(**inputs, **gen))
+        first["plain_eager"], reference = gm.timed(lambda: target.generate(**inputs, **gen))
         times: dict[str, list[float]] = {"plain_compiled": [], "plain_eager": []}
         stats: dict[str, list[dict]] = {name: [] for name in calls}
         identical: dict[str, list[bool]] = {name: [] for name in calls}
         for name, call in calls.items():
             print(f"[{group.name}] first call of {name}", flush=True)
-            first[name], (out, spec) = timed(call)
+            first[name], (out, spec) = gm.timed(call)
             stats[name].append(dict(call_stats(spec), warmup=True))
             identical[name].append(bool(torch.equal(out, reference)))
             times[name] = []
         for i in (1, 2):  # its second call compiles again
-            first[f"plain_compiled_{i}"], _ = timed(lambda: target.generate(**inputs, **gen,
+            first[f"plain_compiled_{i}"], _ = gm.timed(lambda: target.generate(**inputs, **gen,
                                                                            cache_implementation="static"))  # fmt: skip
         for r in range(rounds):
             if r < eager_rounds:
-                times["plain_eager"].append(timed(lambda: target.generate(**inputs, **gen))[0])
-            times["plain_compiled"].append(timed(lambda: target.generate(**inputs, **gen,
+                times["plain_eager"].append(gm.timed(lambda: target.generate(**inputs, **gen))[0])
+            times["plain_compiled"].append(gm.timed(lambda: target.generate(**inputs, **gen,
                                                                          cache_implementation="static"))[0])  # fmt: skip
             for name, call in calls.items():
-                seconds, (out, spec) = timed(call)
+                seconds, (out, spec) = gm.timed(call)
                 times[name].append(seconds)
                 stats[name].append(call_stats(spec))
                 identical[name].append(bool(torch.equal(out, reference)))

@@ -26,7 +26,6 @@ import json
 import platform
 import statistics
 import sys
-import time
 from typing import Any
 
 import torch
@@ -56,14 +55,6 @@ def stream(bases: int, prompt: int, vocab: int) -> list[tuple[str, int, torch.Te
     order += [("repeat", bases - 1, originals[bases - 1]), ("edit", bases - 2, edited[bases - 2]),
               ("edit", bases - 1, edited[bases - 1])]  # fmt: skip
     return [(kind, b, ids.to(gm.Setup.device)) for kind, b, ids in order]
-
-
-def timed(fn):  # noqa: ANN001, ANN201
-    gm.sync()
-    start = time.perf_counter()
-    result = fn()
-    gm.sync()
-    return time.perf_counter() - start, result
 
 
 def main() -> None:
@@ -99,10 +90,10 @@ def main() -> None:
     for _, _, ids in requests:
         key = ids.cpu().numpy().tobytes()
         if key not in reference:
-            eager_s[key], reference[key] = timed(lambda ids=ids: run(ids, "eager"))
-    first = {"compiled": [timed(lambda: run(requests[0][2], "compiled"))[0] for _ in range(2)]}  # it compiles twice
+            eager_s[key], reference[key] = gm.timed(lambda ids=ids: run(ids, "eager"))
+    first = {"compiled": [gm.timed(lambda: run(requests[0][2], "compiled"))[0] for _ in range(2)]}  # it compiles twice
     warm = hf_specdec.SpecDecoder(method="suffix")  # a warm-up stream: first captures and calibration, untimed
-    first["suffix"] = [timed(lambda ids=ids: run(ids, "suffix", warm))[0] for _, _, ids in requests]
+    first["suffix"] = [gm.timed(lambda ids=ids: run(ids, "suffix", warm))[0] for _, _, ids in requests]
     rounds: list[dict[str, Any]] = []
     identical = True
     for _ in range(args.rounds):
@@ -110,9 +101,9 @@ def main() -> None:
         spec = hf_specdec.SpecDecoder(method="suffix")  # fresh: its global tree starts empty
         stats = []
         for _, _, ids in requests:
-            seconds["compiled"].append(timed(lambda ids=ids: run(ids, "compiled"))[0])
+            seconds["compiled"].append(gm.timed(lambda ids=ids: run(ids, "compiled"))[0])
         for _, _, ids in requests:
-            s, out = timed(lambda ids=ids: run(ids, "suffix", spec))
+            s, out = gm.timed(lambda ids=ids: run(ids, "suffix", spec))
             seconds["suffix"].append(s)
             identical &= bool(torch.equal(out, reference[ids.cpu().numpy().tobytes()]))
             last = spec.last_stats
@@ -136,9 +127,13 @@ def main() -> None:
     summary["identical"] = identical
     print(json.dumps(summary), flush=True)
     result = dict(
-        meta=dict(gpu=torch.cuda.get_device_name() if gm.Setup.device == "cuda" else platform.processor() or "cpu",
-                  torch=torch.__version__, transformers=transformers.__version__, command=" ".join(sys.argv),
-                  args=vars(args)),  # fmt: skip
+        meta=dict(
+            gpu=torch.cuda.get_device_name() if gm.Setup.device == "cuda" else platform.processor() or "cpu",
+            torch=torch.__version__,
+            transformers=transformers.__version__,
+            command=" ".join(sys.argv),
+            args=vars(args),
+        ),  # fmt: skip
         kinds=[kind for kind, _, _ in requests],
         first_calls=first,
         rounds=rounds,

@@ -97,6 +97,15 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def timed(fn):  # noqa: ANN001, ANN201
+    """(seconds, result) of `fn()`, the device synchronized before and after."""
+    sync()
+    start = time.perf_counter()
+    result = fn()
+    sync()
+    return time.perf_counter() - start, result
+
+
 def vocab_size(layout: str) -> int:
     return TINY_VOCAB if Setup.tiny else LAYOUTS[layout][2]
 

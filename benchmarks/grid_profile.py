@@ -82,7 +82,8 @@ def kernels(fn) -> dict[str, Any]:  # noqa: ANN001
 
 
 def profile_point(models, group, arm, spy) -> dict[str, Any]:  # noqa: ANN001
-    from benchmarks.bench_gpu_grid import SAMPLING, arm_call, call_stats, point_id, shape, timed
+    from benchmarks.bench_gpu_grid import SAMPLING, arm_call, call_stats, point_id, shape
+    from benchmarks.grid_models import timed
 
     models.use(group.target)
     batch, prompt, answer = shape(group)

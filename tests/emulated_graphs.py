@@ -142,6 +142,7 @@ class _Recorder(TorchDispatchMode):
                 self.created.add(value.untyped_storage().data_ptr())
                 self.outputs.append(value)
             outputs.append(None if aliases else value)  # a view re-made at replay would alias the same data
+
         def held(value: Any) -> Any:  # a tensor from before the capture: its address only, as a real graph holds
             if (
                 isinstance(value, torch.Tensor)
