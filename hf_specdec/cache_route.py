@@ -69,15 +69,13 @@ def default_blocker(model: PreTrainedModel, spec: Any, generation_config: Genera
     device = placement.input_device(model)  # not `model.device`: `meta` when accelerate offloads the first weights
     if device.type != "cuda":
         return None if device.type == "cpu" else f"the model is on {device.type}, not CUDA"
-    blocker = placement.capture_blocker(model, spec.draft_model if spec.method == "draft" else None)
+    blocker = placement.capture_blocker(model, spec.draft_model if spec.method in ("draft", "suffix") else None)
     if blocker is not None:  # several devices, offloaded weights, a draft on another device than the target
         return blocker
     if model.config.is_encoder_decoder:
         return "encoder-decoder targets run on the dynamic cache"
     if spec.draft_tokenizer is not None:
         return "a draft with another tokenizer re-encodes text on the host every step"
-    if spec.method == "suffix" and spec.draft_model is not None:
-        return "suffix decoding with a draft model decides on the host, every step, whether the model drafts"
     if spec.method not in CAPTURABLE_METHODS:
         why = UNCAPTURED_METHODS.get(spec.method, "its steps decide on the host")
         return f"method={spec.method!r} is not captured: {why}"
@@ -192,7 +190,7 @@ def static_plan(
     plan.can_capture = (
         not plan.hybrid
         and placement.input_device(model).type == step_graph.GRAPHS.device_type
-        and placement.capture_blocker(model, spec.draft_model if spec.method == "draft" else None) is None
+        and placement.capture_blocker(model, spec.draft_model if spec.method in ("draft", "suffix") else None) is None
         and os.environ.get(CAPTURE_ENV, "1") != "0"
     )
     return plan

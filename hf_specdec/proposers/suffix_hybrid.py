@@ -15,13 +15,15 @@ A model whose drafts are worth less than `MIN_MODEL_WORTH` accepted tokens a ste
 model's own default k), whatever k the suffix trees use (24 by default). The adaptive schedule sees every row's
 drafts and their keys: the suffix trees' match-length buckets, and `MODEL_KEY` for the model's.
 
-Dynamic caches only: a captured static step cannot decide per step, on the host, whether the model's forwards run
-(the route says so once and takes the dynamic path).
+On static caches (a GPU's default captured step) the trees draft in `plan_step`, before the step's device work, and
+the same host choice picks the step's graph: one without the model's forwards when no row wants them, one with them
+otherwise (the model drafts for every row there, and the rows that take the trees' drafts drop its drafts). The
+model's worth learns from the step's one host read, which brings the rows' new lengths.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -42,6 +44,7 @@ if TYPE_CHECKING:
     from hf_specdec.proposers.draft_model import DraftModelProposer
     from hf_specdec.proposers.suffix import SuffixProposer
     from hf_specdec.sampling.processors import StepSampling
+    from hf_specdec.static_cache import StaticPlan
 
 __all__ = ["SuffixHybridProposer"]
 
@@ -71,12 +74,25 @@ class SuffixHybridProposer(Proposer):
     def __init__(self, suffix: SuffixProposer, model: DraftModelProposer) -> None:
         self.suffix = suffix
         self.model = model
+        model.num_speculative_tokens = min(model.num_speculative_tokens, MODEL_K)
         self.num_speculative_tokens = suffix.num_speculative_tokens
         self.max_positions = model.max_positions  # `Top1Proposer` keeps every row's drafts below the model's limit
         self.model_worth = 1.0  # measured accepted drafts per row and step where the model drafted
         self.steps_without_model = 0
         self.model_rows: np.ndarray | None = None  # [B] bool: rows the model drafted for in the latest step
         self.lengths_before: np.ndarray | None = None  # [B] the rows' lengths when that step proposed
+        self.use_model: torch.Tensor | None = None  # [B] bool, static caches: `model_rows` where the step reads it
+        self.model_runs = False  # static caches: whether this step's graph runs the model's forwards
+
+    def use_static(self, plan: StaticPlan) -> None:
+        self.static = plan
+        self.suffix.use_static(plan)
+        self.model.use_static(plan)
+
+    @property
+    def capturable(self) -> bool:  # type: ignore[override]
+        """On static caches: host drafts planned before the step, and the model's captured forwards."""
+        return self.static is not None and self.model.capturable
 
     def attach(self, target: PreTrainedModel) -> None:
         self.suffix.attach(target)
@@ -90,10 +106,35 @@ class SuffixHybridProposer(Proposer):
         self.suffix.prefill(batch, sampling)
         self.model.prefill(batch, sampling)
         self.model_rows = None
+        self.model_runs = False
+        if self.static is not None:
+            self.use_model = torch.zeros(batch.batch_size, dtype=torch.bool, device=batch.device)
 
     def calibrate(self, time_verify: Callable[[int], float]) -> None:
         self.suffix.calibrate(time_verify)
         self.model.calibrate(time_verify)
+
+    def _wants_model(self, budgets: np.ndarray) -> np.ndarray:  # [B] bool
+        """Rows whose suffix draft is worth less than the model's (none while a useless model waits to re-probe)."""
+        probing = self.model_worth >= MIN_MODEL_WORTH or self.steps_without_model >= REPROBE_EVERY
+        if not probing:
+            return np.zeros(len(budgets), np.bool_)
+        return (self.suffix.scores[: len(budgets)] < self.model_worth) & (budgets > 0)
+
+    def plan_step(self, batch: RaggedBatch) -> Hashable | None:
+        """Static caches: the trees draft for every row now; the rows that want the model's drafts choose the graph
+        (with or without the model's forwards) and are written where the step reads them."""
+        self.suffix.plan_step(batch)
+        self.model_rows = self._wants_model(self.suffix.full_budgets)
+        self.lengths_before = self.suffix.state[:, 1].copy()
+        self.use_model.copy_(torch.from_numpy(self.model_rows))
+        self.model_runs = bool(self.model_rows.any())
+        if not self.model_runs:
+            self.steps_without_model += 1
+            return ("suffix",)
+        self.steps_without_model = 0
+        inner = self.model.plan_step(batch)  # the draft catches up on the steps it missed
+        return None if inner is None else ("model", inner)
 
     def propose(
         self,
@@ -103,30 +144,50 @@ class SuffixHybridProposer(Proposer):
         width: int | None = None,
     ) -> Proposal:
         """The suffix trees' drafts, then the model's for the rows whose suffix draft is worth less than its."""
-        size = batch.batch_size
-        if size == 0:
+        if self.static is not None:  # planned (`plan_step`): fixed shapes, no host read
+            ours = self.suffix.propose(batch, max_draft_tokens, sampling)
+            if not self.model_runs:
+                return ours
+            budgets = torch.where(self.use_model, max_draft_tokens.clamp(max=self.model.num_speculative_tokens), 0)
+            return _merge(ours, self.model.propose(batch, budgets, sampling), self.use_model)
+        if batch.batch_size == 0:
             return Proposal.empty(0, batch.device)
         ours = self.suffix.propose(batch, max_draft_tokens, sampling)  # one host read of the budgets, inside
         budgets = self.suffix.budgets  # [B] host copy of max_draft_tokens
-        scores = self.suffix.scores[:size]  # [B] drafts the trees expect accepted
         self.lengths_before = self.suffix.state[:, 1].copy()  # [B] host: what each row holds now
-        probing = self.model_worth >= MIN_MODEL_WORTH or self.steps_without_model >= REPROBE_EVERY
-        wants_model = (scores < self.model_worth) & (budgets > 0) if probing else np.zeros(size, np.bool_)  # [B]
-        self.model_rows = wants_model
+        wants_model = self.model_rows = self._wants_model(budgets)  # [B]
         if not wants_model.any():
             self.steps_without_model += 1
             return ours
         self.steps_without_model = 0
-        model_budgets = np.where(wants_model, np.minimum(budgets, MODEL_K), 0)  # [B]
+        model_budgets = np.where(wants_model, np.minimum(budgets, self.model.num_speculative_tokens), 0)  # [B]
         theirs = self.model.propose(
             batch, torch.from_numpy(model_budgets).to(batch.device), sampling, width=int(model_budgets.max())
         )
         return _merge(ours, theirs, torch.from_numpy(wants_model).to(batch.device))
 
     def commit(self, batch: RaggedBatch, num_accepted: torch.Tensor) -> None:
-        """Both follow the committed tokens; the model's worth learns from its rows (host lengths: no extra read)."""
-        self.suffix.commit(batch, num_accepted)  # reads the new lengths to the host
+        """Both follow the committed tokens; on dynamic caches the model's worth learns from its rows now."""
+        self.suffix.commit(batch, num_accepted)  # dynamic caches: reads the new lengths to the host
         self.model.commit(batch, num_accepted)
+        if self.static is None:
+            self._learn()
+        elif not self.model_runs:
+            # The model's static catch-up counts the tokens it has not seen (1 per step without its drafts); a step
+            # of the trees' drafts commits up to k + 1 (a host counter: the same change at every replay).
+            self.model.behind += self.num_speculative_tokens
+
+    def host_rows(self, batch: RaggedBatch) -> torch.Tensor | None:
+        return self.suffix.host_rows(batch)
+
+    def read_host_rows(self, lengths: list[int], rows: list[list[int]]) -> None:
+        """Static caches: the step's host read (the trees' new tokens); the model's worth learns from its rows."""
+        self.suffix.read_host_rows(lengths, rows)
+        self._learn()
+
+    def _learn(self) -> None:
+        """The model's worth, from the drafts the target accepted on the rows it drafted for (host lengths: the
+        suffix trees' own copy after the step, against the one before it)."""
         rows = self.model_rows
         if rows is not None and rows.any() and self.lengths_before is not None:
             accepted = self.suffix.state[:, 1] - self.lengths_before - 1  # [B] drafts accepted this step
@@ -155,7 +216,7 @@ def _merge(ours: Proposal, theirs: Proposal, model_rows: torch.Tensor) -> Propos
     probs = theirs.draft_probs  # [B, w', V] or None (greedy: one-hot drafts)
     if probs is not None:
         probs = F.pad(probs, (0, 0, 0, width - probs.shape[1]))  # [B, width, V]
-        one_hot = F.one_hot(ids.clamp(min=0), probs.shape[-1]).to(probs.dtype)  # [B, width, V]
+        one_hot = torch.zeros_like(probs).scatter_(-1, ids.clamp(min=0)[..., None], 1.0)  # [B, width, V] no host read
         probs = torch.where(model_rows[:, None, None], probs, one_hot)
     return Proposal(draft_token_ids=ids, num_draft_tokens=counts, draft_probs=probs, draft_keys=keys)
 
@@ -164,12 +225,6 @@ def _merge(ours: Proposal, theirs: Proposal, model_rows: torch.Tensor) -> Propos
 def from_spec(spec: SpecDecoder, target: PreTrainedModel, context: ProposerContext) -> SuffixHybridProposer:
     """`method="suffix"` with `draft_model=`: suffix decoding, and the draft model where the trees have nothing
     better."""
-    if context.static:
-        raise NotImplementedError(
-            "cache_implementation='static' does not support suffix decoding with a draft model (the hybrid decides "
-            "on the host, every step, whether the model drafts): drop cache_implementation='static', or drop "
-            "draft_model= for suffix decoding alone."
-        )
     return SuffixHybridProposer(
         suffix_module.from_spec(spec, target, context), draft_model_module.from_spec(spec, target, context)
     )

@@ -32,14 +32,21 @@ def target():
 def choices(monkeypatch) -> list[np.ndarray]:
     """Each step's rows that took the model's drafts."""
     seen: list[np.ndarray] = []
-    propose = SuffixHybridProposer.propose
+    propose, plan_step = SuffixHybridProposer.propose, SuffixHybridProposer.plan_step
 
-    def recording(self, *args, **kwargs):  # noqa: ANN001, ANN202
+    def proposing(self, *args, **kwargs):  # noqa: ANN001, ANN202 - dynamic caches choose here
         proposal = propose(self, *args, **kwargs)
-        seen.append(self.model_rows.copy())
+        if self.static is None:
+            seen.append(self.model_rows.copy())
         return proposal
 
-    monkeypatch.setattr(SuffixHybridProposer, "propose", recording)
+    def planning(self, *args, **kwargs):  # noqa: ANN001, ANN202 - static caches choose here, before the step
+        key = plan_step(self, *args, **kwargs)
+        seen.append(self.model_rows.copy())
+        return key
+
+    monkeypatch.setattr(SuffixHybridProposer, "propose", proposing)
+    monkeypatch.setattr(SuffixHybridProposer, "plan_step", planning)
     return seen
 
 
@@ -110,9 +117,12 @@ def test_a_useless_model_drafts_only_to_reprobe(target, choices):
     assert len(late) <= 2 + len(choices) // suffix_hybrid.REPROBE_EVERY, steps_with_model
 
 
-def test_sampling_follows_the_target_law(choices):
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_sampling_follows_the_target_law(request, choices, cache):
     """6000 rows of one seeded call; a first call fills the global tree, so some rows take the trees' drafts and
-    the others the model's (sampled from its distribution), in the same steps."""
+    the others the model's (sampled from its distribution), in the same steps; static: captured (emulated)."""
+    if cache == "static":
+        request.getfixturevalue("emulated_graphs")
     target = make_model("llama", seed=0, vocab=12)
     draft = make_noisy_copy(target, noise=0.5)
     prompt = torch.tensor([[5, 6, 11, 5, 6, 11, 5, 6]])
@@ -120,7 +130,7 @@ def test_sampling_follows_the_target_law(choices):
     inputs = {"input_ids": prompt.expand(samples, -1), "attention_mask": torch.ones(samples, prompt.shape[1])}
     spec = hf_specdec.SpecDecoder(method="suffix", draft_model=draft, num_speculative_tokens=2, seed=99,
                                   num_speculative_tokens_schedule="constant")  # fmt: skip
-    sampling = dict(max_new_tokens=3, do_sample=True, temperature=1.0, top_k=0)
+    sampling = dict(max_new_tokens=3, do_sample=True, temperature=1.0, top_k=0, cache_implementation=cache)
     spec_generate(target, {k: v[:200] for k, v in inputs.items()}, spec, **sampling)
     choices.clear()
     out = spec_generate(target, inputs, spec, **sampling)
@@ -129,10 +139,41 @@ def test_sampling_follows_the_target_law(choices):
     check_first_tokens(out, prompt, exact_joint_law(target, prompt, 3, 1.0), 3)
 
 
-def test_static_caches_and_another_method_are_refused(target):
-    draft = make_noisy_copy(target)
-    spec = hf_specdec.SpecDecoder(method="suffix", draft_model=draft)
-    with pytest.raises(NotImplementedError, match=r"suffix decoding with a draft model.*drop cache_implementation"):
-        spec_generate(target, make_prompts(1), spec, max_new_tokens=4, cache_implementation="static", **GREEDY)
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_static_steps_are_planned_and_captured(target, emulated_graphs, monkeypatch, batch_size):
+    """On static caches (with emulated CUDA graphs) the trees draft in `plan_step`, which also picks the step's
+    graph: with the model's forwards or without; outputs equal plain's, steps replay, a second call adopts the
+    first's graphs, and the repeated requests run steps without the model."""
+    from hf_specdec.decoding import SpeculativeLoop
+
+    keys: list = []
+    plan_step = SpeculativeLoop.plan_step
+    monkeypatch.setattr(SpeculativeLoop, "plan_step", lambda self: keys.append(plan_step(self)) or keys[-1])
+    inputs = make_prompts(batch_size, seed=40 + batch_size, min_len=3, max_len=16)
+    expected = target.generate(**inputs, max_new_tokens=32, **GREEDY)
+    spec = hf_specdec.SpecDecoder(method="suffix", draft_model=make_noisy_copy(target, noise=0.01),
+                                  num_speculative_tokens=6, num_speculative_tokens_schedule="constant")  # fmt: skip
+    for call in range(2):
+        keys.clear()
+        out = spec_generate(target, inputs, spec, max_new_tokens=32, cache_implementation="static", **GREEDY)
+        assert torch.equal(out, expected)
+        assert spec.last_stats.num_graph_replays > 0
+        if call == 0:
+            assert ("draft", ("model", 2)) in keys
+            assert spec.last_stats.acceptance_rate > 0.3  # the model's drafts (the trees know little yet)
+    assert spec.last_stats.graph_reuse == "adopted"
+    assert ("draft", ("suffix",)) in keys and spec.last_stats.acceptance_rate > 0.7
+    # An edit of an earlier request: the trees know its next 16 tokens (long accepted drafts from the first step
+    # on, while the model waits), then the model drafts again (it must first catch up on all it missed).
+    keys.clear()
+    width = inputs["input_ids"].shape[1] + 16
+    edited = {"input_ids": expected[:, :width], "attention_mask": torch.ones_like(expected[:, :width])}
+    edited["attention_mask"][:, : inputs["attention_mask"].shape[1]] = inputs["attention_mask"]
+    out = spec_generate(target, edited, spec, max_new_tokens=40, cache_implementation="static", **GREEDY)
+    assert torch.equal(out, target.generate(**edited, max_new_tokens=40, **GREEDY))
+    assert ("draft", ("suffix",)) in keys and any(key[1][0] == "model" for key in keys if key[0] == "draft")
+
+
+def test_another_method_with_a_draft_model_is_refused(target):
     with pytest.raises(ValueError, match=r"method='suffix'"):
-        hf_specdec.SpecDecoder(method="ngram", draft_model=draft)
+        hf_specdec.SpecDecoder(method="ngram", draft_model=make_noisy_copy(target))
