@@ -81,25 +81,41 @@ class DFlashContextView(CacheView):
         key_positions = torch.cat([keys - pad, block_index - pad], dim=1)[:, None, :]  # [B, 1, W + c + s]
         allowed = torch.cat([real, torch.ones_like(block_index, dtype=torch.bool)], dim=1)[:, None, :]  # [B, 1, K]
         allowed = allowed.expand(-1, size, -1)  # [B, s, K]: every block slot sees all context and the whole block
-        masks = {"full_attention": allowed}
-        if self.sliding_window is not None:  # DFlashCache's meaning: |query position - key position| <= window
-            distance = ((block_index - pad)[:, :, None] - key_positions).abs()  # [B, s, K]
-            masks["sliding_attention"] = allowed & (distance <= self.sliding_window)
-        types = set(self.layer_types or ["full_attention"])
-        masks = {name: self._to_model_format(masks[name][:, None]) for name in types}
-        hidden = self.model(
-            noise_embeds=block_embeds,
-            context_hidden_states=context,
-            attention_mask=masks,
-            position_ids=position_ids,
-            **compat.cache_kwargs(self.model, self.cache),
-            use_cache=True,
-        ).last_hidden_state  # [B, s, H]
+        hidden = read_block(self, block_embeds, context, position_ids, allowed, block_index - pad, key_positions)
         crop_cache(self.cache, -size)  # the block is read, not kept
         self.column_index = keys
         self.cached_lengths = torch.maximum(self.cached_lengths, index.max(dim=1).values + 1)
         self.rollback(self.cached_lengths)  # compacts when holes dominate
         return hidden
+
+
+def read_block(
+    view: CacheView,
+    block_embeds: torch.Tensor,  # [B, s, H]
+    context: torch.Tensor,  # [B, c, n * H]
+    position_ids: torch.Tensor,  # [B, c + s]
+    allowed: torch.Tensor,  # [B, s, K] bool: which keys each block slot sees
+    query_positions: torch.Tensor,  # [B, s] the block slots' positions
+    key_positions: torch.Tensor,  # [B, 1, K] the keys' positions
+    **forward_kwargs: object,
+) -> torch.Tensor:  # [B, s, H]
+    """One drafter forward over new context and a block, with a mask per layer type (sliding layers, DFlashCache's
+    meaning: |query position - key position| <= window), on the dynamic or the static view's cache."""
+    masks = {"full_attention": allowed}
+    if view.sliding_window is not None:
+        distance = (query_positions[:, :, None] - key_positions).abs()  # [B, s, K]
+        masks["sliding_attention"] = allowed & (distance <= view.sliding_window)
+    types = set(view.layer_types or ["full_attention"])
+    masks = {name: view._to_model_format(masks[name][:, None]) for name in types}
+    return view.model(
+        noise_embeds=block_embeds,
+        context_hidden_states=context,
+        attention_mask=masks,
+        position_ids=position_ids,
+        **compat.cache_kwargs(view.model, view.cache),
+        use_cache=True,
+        **forward_kwargs,
+    ).last_hidden_state
 
 
 class DFlashProposer(TargetStateDrafter):

@@ -15,10 +15,9 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import PreTrainedModel
 
-from hf_specdec import compat
 from hf_specdec.batch import RaggedBatch
 from hf_specdec.proposers import ProposerContext, register
-from hf_specdec.proposers.dflash import DFlashProposer
+from hf_specdec.proposers.dflash import DFlashProposer, read_block
 from hf_specdec.sampling.processors import StepSampling
 from hf_specdec.static_cache import StaticCacheView
 
@@ -48,21 +47,9 @@ class StaticDFlashContextView(StaticCacheView):
         # Context columns hold indices below the anchor; columns at or past it are this block's (earlier blocks' are
         # holes again): every block slot sees all of them.
         allowed = (self.column_index >= 0)[:, None, :].expand(-1, size, -1)  # [B, s, L]
-        masks = {"full_attention": allowed}
-        if self.sliding_window is not None:
-            distance = ((block_index - pad)[:, :, None] - (self.column_index - pad)[:, None, :]).abs()  # [B, s, L]
-            masks["sliding_attention"] = allowed & (distance <= self.sliding_window)
-        types = set(self.layer_types or ["full_attention"])
-        masks = {name: self._to_model_format(masks[name][:, None]) for name in types}
-        hidden = self.model(
-            noise_embeds=block_embeds,
-            context_hidden_states=context,
-            attention_mask=masks,
-            position_ids=positions,
-            **compat.cache_kwargs(self.model, self.cache),
-            use_cache=True,
-            **self.forward_kwargs,
-        ).last_hidden_state  # [B, s, H]
+        key_positions = (self.column_index - pad)[:, None, :]  # [B, 1, L]
+        hidden = read_block(self, block_embeds, context, positions, allowed, block_index - pad, key_positions,
+                            **self.forward_kwargs)  # fmt: skip
         self.advance(slots.shape[1])
         self.cached_lengths = torch.maximum(self.cached_lengths, index.max(dim=1).values + 1)
         self.rollback(self.cached_lengths)  # the block's columns become holes: only context stays

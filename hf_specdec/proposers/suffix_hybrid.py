@@ -128,7 +128,7 @@ class SuffixHybridProposer(Proposer):
         self.model_rows = self._wants_model(self.suffix.full_budgets)
         self.lengths_before = self.suffix.state[:, 1].copy()
         self.use_model.copy_(torch.from_numpy(self.model_rows))
-        self.model_runs = bool(self.model_rows.any())
+        self.model_runs = bool(np.any(self.model_rows))  # host numpy, decided before the step: no device read
         if not self.model_runs:
             self.steps_without_model += 1
             return ("suffix",)
@@ -162,8 +162,8 @@ class SuffixHybridProposer(Proposer):
         self.steps_without_model = 0
         model_budgets = np.where(wants_model, np.minimum(budgets, self.model.num_speculative_tokens), 0)  # [B]
         theirs = self.model.propose(
-            batch, torch.from_numpy(model_budgets).to(batch.device), sampling, width=int(model_budgets.max())
-        )
+            batch, torch.from_numpy(model_budgets).to(batch.device), sampling, width=int(np.max(model_budgets))
+        )  # the width from the host copy: no device read
         return _merge(ours, theirs, torch.from_numpy(wants_model).to(batch.device))
 
     def commit(self, batch: RaggedBatch, num_accepted: torch.Tensor) -> None:
