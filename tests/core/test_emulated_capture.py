@@ -115,6 +115,24 @@ def assert_captured_draws_equal_uncaptured(target, inputs: dict, spec: dict, gen
     assert torch.equal(captured, uncaptured)
 
 
+def captured_and_uncaptured_stats(target, inputs: dict, spec: dict, gen: dict, expected: torch.Tensor) -> dict:  # noqa: ANN001
+    """Greedy static calls with a fresh `SpecDecoder(**spec)`, captured (no capture may be refused: a refusal warns)
+    and then with `HF_SPECDEC_CAPTURE_STEPS=0`, each equal to `expected`; their `last_stats` by `captured`, after
+    checking that only the captured call replayed graphs."""
+    stats = {}
+    for captured in (True, False):
+        decoder = hf_specdec.SpecDecoder(**spec)
+        with warnings.catch_warnings(), pytest.MonkeyPatch.context() as patch:
+            warnings.simplefilter("error", RuntimeWarning)  # a refused capture would warn
+            if not captured:
+                patch.setenv("HF_SPECDEC_CAPTURE_STEPS", "0")
+            out = spec_generate(target, inputs, decoder, **gen, do_sample=False, cache_implementation="static")
+            assert torch.equal(out, expected), captured
+        stats[captured] = decoder.last_stats
+    assert stats[True].num_graph_replays > 0 and stats[False].num_graph_replays == 0
+    return stats
+
+
 def assert_captured_drafts_equal_uncaptured(target, inputs: dict, spec: dict, gen: dict, monkeypatch) -> None:  # noqa: ANN001
     """`assert_captured_draws_equal_uncaptured`, and every step's drafts and draft probabilities are the same too: the
     verify logs them into a tensor indexed by the device step counter, inside the step, so replays log theirs (a

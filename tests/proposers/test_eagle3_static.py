@@ -13,12 +13,10 @@ mostly predicts the target's next token; acceptance is ragged (partial and full 
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 from conftest import make_model, make_prompts, record_proposals, spec_generate
-from core.test_emulated_capture import assert_captured_drafts_equal_uncaptured
+from core.test_emulated_capture import assert_captured_drafts_equal_uncaptured, captured_and_uncaptured_stats
 from first_tokens_law import check_first_tokens, exact_joint_law
 from proposers.test_eagle3 import LAYERS, VOCAB, check_drafts, head_weights, save_eagle_layout, save_speculators_layout
 
@@ -110,17 +108,10 @@ def test_captured_steps_equal_plain(emulated_graphs, agreeing_target, agreeing_h
     inputs = make_prompts(3, vocab=VOCAB, seed=2, repetitive=False)
     gen = dict(max_new_tokens=20, eos_token_id=None)
     expected = target.generate(**inputs, **gen, do_sample=False)
-    stats = {}
-    for captured in (True, False):
-        spec = hf_specdec.SpecDecoder(draft_head=agreeing_heads[layout][0], num_speculative_tokens=2,
-                                      num_speculative_tokens_schedule=schedule)  # fmt: skip
-        with warnings.catch_warnings(), pytest.MonkeyPatch.context() as patch:
-            warnings.simplefilter("error", RuntimeWarning)  # a refused capture would warn
-            if not captured:
-                patch.setenv("HF_SPECDEC_CAPTURE_STEPS", "0")
-            assert torch.equal(spec_generate(target, inputs, spec, **gen, **STATIC), expected), captured
-        stats[captured] = spec.last_stats
-    assert stats[True].num_graph_replays > 0 and stats[False].num_graph_replays == 0
+    spec = dict(
+        draft_head=agreeing_heads[layout][0], num_speculative_tokens=2, num_speculative_tokens_schedule=schedule
+    )
+    stats = captured_and_uncaptured_stats(target, inputs, spec, gen, expected)
     if schedule == "constant":
         drafted, accepted = stats[True].num_draft_tokens, stats[True].num_accepted_tokens
         assert 0 < accepted < drafted, stats[True]

@@ -10,13 +10,11 @@ law; calls of equal shapes adopt the kept graphs and stay exact.
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 import transformers
 from conftest import make_gemma4, make_gemma4_assistant, make_prompts, record_proposals, spec_generate
-from core.test_emulated_capture import assert_captured_drafts_equal_uncaptured
+from core.test_emulated_capture import assert_captured_drafts_equal_uncaptured, captured_and_uncaptured_stats
 from first_tokens_law import check_first_tokens, exact_joint_law
 
 import hf_specdec
@@ -66,17 +64,8 @@ def test_captured_steps_equal_plain(emulated_graphs, gemma4, schedule) -> None:
     inputs = make_prompts(3, seed=5, repetitive=False)
     gen = dict(max_new_tokens=20, eos_token_id=None)
     expected = target.generate(**inputs, **gen, do_sample=False)
-    stats = {}
-    for captured in (True, False):
-        spec = hf_specdec.SpecDecoder(draft_model=assistant, num_speculative_tokens=3,
-                                      num_speculative_tokens_schedule=schedule)  # fmt: skip
-        with warnings.catch_warnings(), pytest.MonkeyPatch.context() as patch:
-            warnings.simplefilter("error", RuntimeWarning)  # a refused capture would warn
-            if not captured:
-                patch.setenv("HF_SPECDEC_CAPTURE_STEPS", "0")
-            assert torch.equal(spec_generate(target, inputs, spec, **gen, **STATIC), expected), captured
-        stats[captured] = spec.last_stats
-    assert stats[True].num_graph_replays > 0 and stats[False].num_graph_replays == 0
+    spec = dict(draft_model=assistant, num_speculative_tokens=3, num_speculative_tokens_schedule=schedule)
+    stats = captured_and_uncaptured_stats(target, inputs, spec, gen, expected)
     if schedule == "constant":
         assert 0 < stats[True].num_accepted_tokens < stats[True].num_draft_tokens, stats[True]
         assert stats[True].accepted_per_position == stats[False].accepted_per_position
