@@ -108,7 +108,7 @@ class SuffixProposer(Proposer):
         if batch.device.type == "cpu":
             source = _host(batch.token_ids)  # [B, C], shared with the batch
         else:
-            source = _host(batch.token_ids[:, : int(ends.max()) if len(ends) else 0])
+            source = _host(batch.token_ids[:, : int(np.max(ends)) if len(ends) else 0])  # `ends`: host numpy
         # A step commits at most k + 1 tokens a row: a bound for the tree's growth without reading the counts.
         self.trees.append_rows(
             self.active,
