@@ -367,6 +367,7 @@ def main() -> None:
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU: the whole grid's logic")
     parser.add_argument("--plot", metavar="PNG", default=None, help="plot the JSONs given as `out`")
     parser.add_argument("--profile", metavar="POINT", default=None, help="profile one point (an id printed by a run)")
+    parser.add_argument("--spread", type=int, default=0, metavar="N", help="with --profile: N fresh calls, each timed")
     parser.add_argument("--estimate", action="store_true", help="print the estimated H100 seconds per group")
     args = parser.parse_args()
     if args.plot:
@@ -388,10 +389,13 @@ def main() -> None:
     spy = InstallSpy()
     out = Path(args.out[0]) if args.out else None
     if args.profile:
-        from benchmarks.grid_profile import profile_point
+        from benchmarks.grid_profile import profile_point, spread_point
 
         group, arm = next((g, a) for g in GRID for a in g.arms if point_id(g, a) == args.profile)
-        result = profile_point(Models(), group, arm, spy)
+        if args.spread:
+            result = spread_point(Models(), group, arm, spy, args.spread)
+        else:
+            result = profile_point(Models(), group, arm, spy)
     else:
         result = {"meta": meta(args) | ({"emulated_graphs": emulated} if args.dry_run else {}), "groups": []}
         models = Models()

@@ -11,9 +11,11 @@ beside it (a captured eager step runs unfused kernels where compiled plain runs 
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
 from collections import defaultdict
 from collections.abc import Iterator
+import json
 from typing import Any
 
 import torch
@@ -126,3 +128,63 @@ def profile_point(models, group, arm, spy) -> dict[str, Any]:  # noqa: ANN001
         for row in found["top_host_ops"][:8]:
             print(f"   {row['us']:10.0f} us  x{row['count']:<5d} {row['name']}")
     return result
+
+
+@contextlib.contextmanager
+def step_and_gc_times() -> Iterator[dict[str, Any]]:
+    """Each loop step's wall time (ms, in order) and the garbage collector's pauses (ms) while the context is open."""
+    found: dict[str, Any] = {"steps_ms": [], "gc_ms": []}
+    step = decoding.SpeculativeLoop.step
+    started: list[float] = []
+
+    def timed_step(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        start = time.perf_counter()
+        try:
+            return step(self, *args, **kwargs)
+        finally:
+            found["steps_ms"].append((time.perf_counter() - start) * 1e3)
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            found["gc_ms"].append(round((time.perf_counter() - started.pop()) * 1e3, 2))
+
+    decoding.SpeculativeLoop.step = timed_step
+    gc.callbacks.append(on_gc)
+    try:
+        yield found
+    finally:
+        decoding.SpeculativeLoop.step = step
+        gc.callbacks.remove(on_gc)
+
+
+def spread_point(models, group, arm, spy, calls: int) -> dict[str, Any]:  # noqa: ANN001
+    """Why one point's calls differ: `calls` fresh calls, each after a compiled plain call (as the grid interleaves
+    them), with the call's seconds, its stats, the host parts, every step's wall time and the GC pauses."""
+    from benchmarks.bench_gpu_grid import SAMPLING, arm_call, call_stats, point_id, shape
+    from benchmarks.grid_models import timed
+
+    models.use(group.target)
+    batch, prompt, answer = shape(group)
+    inputs = gm.prompts(batch, prompt, gm.vocab_size(gm.TARGETS[group.target][0]))
+    gen = dict(max_new_tokens=answer, do_sample=group.sample, **(SAMPLING if group.sample else {}))
+    ours = arm_call(models, arm, inputs, gen, spy)
+    rows = []
+    with torch.no_grad():
+        for index in range(calls):
+            compiled_seconds, _ = timed(lambda: models.target.generate(**inputs, **gen, cache_implementation="static"))
+            with host_parts() as parts, step_and_gc_times() as steps:
+                seconds, (_, spec) = timed(ours)
+            stats = {k: v for k, v in call_stats(spec).items() if k != "spec"}
+            ordered = sorted(steps["steps_ms"])
+            row = dict(call=index, seconds=seconds, compiled_seconds=compiled_seconds, stats=stats,
+                       host_ms={k: round(v * 1e3, 2) for k, v in parts.items()},
+                       gc=dict(count=len(steps["gc_ms"]), total_ms=round(sum(steps["gc_ms"]), 2),
+                               max_ms=max(steps["gc_ms"], default=0.0)),
+                       step_ms_median=ordered[len(ordered) // 2] if ordered else None,
+                       slowest_steps_ms=[(i, round(t, 2)) for i, t in sorted(enumerate(steps["steps_ms"]),
+                                                                              key=lambda x: -x[1])[:6]])  # fmt: skip
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return dict(point=point_id(group, arm), calls=rows)

@@ -117,12 +117,16 @@ class AcceptanceStats:
         rejected = self.rejected[keys] + self.prior_weight * (1 - self.prior)
         return (1 - rejected / at_risk).clamp(0, 1).cumprod(1)
 
+    def idle(self, steps: int) -> None:
+        """`steps` plain steps: every key's counts fade by `idle_decay` per step."""
+        self.at_risk *= self.idle_decay**steps
+        self.rejected *= self.idle_decay**steps
+
     def record(self, keys: torch.Tensor, drafted: torch.Tensor, accepted: torch.Tensor) -> None:
         """One step: per row its key, drafts and accepted drafts ([B] each, host); rows with no drafts are skipped."""
         rows = drafted > 0
         if not bool(rows.any()):  # a plain step: every key is idle
-            self.at_risk *= self.idle_decay
-            self.rejected *= self.idle_decay
+            self.idle(1)
             return
         keys, drafted, accepted = keys[rows], drafted[rows], accepted[rows]
         self._grow(int(keys.max()) + 1)
@@ -299,6 +303,7 @@ class _Step:
     bucket: int  # context bucket of the step
     start: float
     width: int = 1
+    steps: int = 1  # plain steps the step ran back to back (one graph): its time covers them all
     measured: bool = True  # False: the step ran a warm-up, a capture or a compaction (`discard_timing`)
 
 
@@ -445,7 +450,7 @@ class AdaptiveSchedule(SpeculationSchedule):
             step.costs.record(
                 step.width,
                 step.bucket,
-                now - step.start,
+                (now - step.start) / step.steps,
                 drafts_separately=not self.propose_first,
                 clip=not self.static,
             )
@@ -475,6 +480,17 @@ class AdaptiveSchedule(SpeculationSchedule):
     def restart_timing(self) -> None:
         if self.pending is not None:
             self.pending.start = time.perf_counter()
+
+    def ran_plain_steps(self, steps: int) -> None:
+        """A block of `steps` plain steps: its time is per step, and what fades per step fades `steps - 1` more
+        times (each row's record, the idle keys' counts) while the streak before a re-probe grows by as many."""
+        extra = steps - 1
+        if self.pending is not None:
+            self.pending.steps = steps
+            self.pending.costs.plain_streak += extra
+        self.row_accepted *= self.row_decay**extra
+        self.row_expected *= self.row_decay**extra
+        self.stats.idle(extra)
 
     def trim(self, proposal: Proposal) -> torch.Tensor:  # [B]
         num = proposal.num_draft_tokens.cpu()

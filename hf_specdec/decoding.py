@@ -37,6 +37,9 @@ from hf_specdec.static_cache import StaticCacheView, StaticPlan
 from hf_specdec.step_graph import StepGraph
 from hf_specdec.stopping import StopRules
 
+#: plain steps a captured static call runs back to back as one graph (one host read), once the schedule keeps
+#: drafting off (`SpeculativeLoop.plain_block`)
+PLAIN_BLOCK = 4
 
 def capture_blocker(
     sampling: StepSampling,
@@ -133,12 +136,20 @@ class SpeculativeLoop:
                 guard = ModelGuard(graph_reuse.driven_models(self, model)) if signature is not None else None
                 hint = lambda: capture_hint([view.model for view in static.views])  # noqa: E731 - views exist by then
                 self.step_graph = StepGraph(
-                    self, self.device_step, description, static.capture_steps, model, signature, hint, guard
+                    self, self.device_steps, description, static.capture_steps, model, signature, hint, guard
                 )
         self.handoff = handoff  # adopts a filled past_key_values; keeps leaving rows' caches to hand back
         if handoff is not None:
             handoff.adopt(self.target)
         self.prefilled = False
+        #: steps the next planned step runs back to back (`plain_block`): 1, or PLAIN_BLOCK plain steps
+        self.block = 1
+        #: whether plain steps may run in blocks: a captured static step with no host criterion and no proposer
+        #: that reads every step's tokens on the host
+        self.blocks_allowed = (
+            self.step_graph is not None and stop_rules.host is None and proposer.host_rows(batch) is None
+        )
+        self.longest_room = max_length  # tokens the live row furthest from max_length may still get (host)
         self.sequences = batch.token_ids[:, :max_length].clone()  # [B_total, max_length] final rows
         self.final_lengths = batch.lengths.clone()  # [B_total] length of each row when it left
         self.streamed = batch.prompt_width
@@ -257,30 +268,54 @@ class SpeculativeLoop:
         )
 
     def step(self) -> None:
+        self.block = 1
         if self.step_graph is not None and self.prefilled:  # host decisions first, then the device work
             self.step_graph.run(self.plan_step(), fits=self._fits())
         else:
             self.device_step()
-        self.stats.count_step(self.batch.batch_size - self.num_frozen)
+        for _ in range(self.block):
+            self.stats.count_step(self.batch.batch_size - self.num_frozen)
         self.retire_finished()
-        self.budgets.after_step(measured=self.step_graph is None or self.step_graph.steady)
+        self.budgets.after_step(measured=self.step_graph is None or self.step_graph.steady, steps=self.block)
         self.proposer.after_step()
 
     def plan_step(self) -> Hashable | None:
         """A planned static step's host decisions, made before its device work, as the key of its CUDA graph: no
-        row drafts (one graph), or some do, each within its budget, at width k (the proposer's graph)."""
+        row drafts (one graph; `PLAIN_BLOCK` of them back to back while the schedule keeps drafting off), or some
+        do, each within its budget, at width k (the proposer's graph)."""
         if self.budgets.plan(self.batch, self.k) == 0:
-            return ("plain",)
+            self.block = self.plain_block()
+            return ("plain",) if self.block == 1 else ("plain", self.block)
         inner = self.proposer.plan_step(self.batch)
         self.budgets.restart_timing()  # a draft's catch-up after plain steps is not the drafting step's own cost
         return None if inner is None else ("draft", inner)
+
+    def plain_block(self) -> int:
+        """How many plain steps to run as one captured graph with one host read: `PLAIN_BLOCK` once the schedule
+        has kept drafting off for a step already (`DraftBudgets.plain_streak`) and a live row has room for them all,
+        else 1. A host read per token is what separates a captured step from a compiled one at batch 1 (the GPU
+        waits while the host plans); in a block the GPU runs on. Rows that finish inside the block are frozen on
+        the device (`device_steps`), so the tokens are plain's; the block may cost up to `PLAIN_BLOCK - 1` forwards
+        past the last row's EOS, and the schedule's next chance to draft comes up to that many steps later."""
+        if not self.blocks_allowed or self.budgets.plain_streak < 2 or self.longest_room < PLAIN_BLOCK:
+            return 1
+        return PLAIN_BLOCK
+
+    def device_steps(self) -> None:
+        """The planned step's device work: `block` steps, each after freezing the rows the one before finished
+        (the device's copy of what the host does at its read, so that a finished row emits nothing more)."""
+        for index in range(self.block):
+            if index:
+                self.frozen |= self.stop_rules.done(self.batch) | (self.batch.lengths >= self.max_length)
+            self.device_step()
 
     def _fits(self) -> bool:
         """Whether the next step's forwards fit every static cache without compacting (as the captured step did;
         otherwise it runs eagerly and compacts)."""
         graph = self.step_graph
         return graph is not None and all(
-            view.offset_bound + max(graph.host_change(view, "offset_bound"), 2 * (self.k + 1)) <= view.max_columns
+            view.offset_bound + max(graph.host_change(view, "offset_bound"), 2 * (self.k + 1), 2 * self.block)
+            <= view.max_columns
             for view in self.static.views
         )
 
@@ -432,7 +467,7 @@ class SpeculativeLoop:
         batch = self.batch
         done = self.stop_rules.done(batch) | (batch.lengths >= self.max_length)  # [B]
         if self.static is not None:
-            self._freeze(done & ~self.frozen)
+            self._freeze(done)
         elif self.stop_rules.host is not None or done.any():
             rows = torch.stack([done.long(), batch.row_ids, batch.lengths, self.stop_rules.stop_lengths])  # [4, B]
             finished, row_ids, lengths, stops = rows.tolist()
@@ -464,15 +499,16 @@ class SpeculativeLoop:
         self.sampling.select_rows(keep)
         self.stop_rules.select_rows(keep)
 
-    def _freeze(self, newly_done: torch.Tensor) -> None:  # [B] bool
-        """Copy out the rows that just finished and freeze them. The step's one host read: [3, B] ints (4 with host
+    def _freeze(self, done: torch.Tensor) -> None:  # [B] bool
+        """Copy out the rows that finished since the last read (rows the host has not frozen yet: a block of plain
+        steps freezes on the device too) and freeze them. The step's one host read: [3, B] ints (4 with host
         criteria: each row's first stop), the write offset of every static cache (so that no forward has to read one
         to know whether it fits), and the rows a proposer that drafts on the host asks for (`Proposer.host_rows`:
         suffix decoding's committed tokens)."""
         views = self.static.views
         offsets = torch.stack([view.offset for view in views]).expand(len(self.batch.lengths), -1).T  # [n, B]
         host = self.stop_rules.host is not None
-        rows_info = [newly_done.long(), self.batch.row_ids, self.batch.lengths]
+        rows_info = [done.long(), self.batch.row_ids, self.batch.lengths]
         rows_info += [self.stop_rules.stop_lengths] if host else []
         proposer_rows = self.proposer.host_rows(self.batch)  # [r, B] or None
         parts = [torch.stack(rows_info), offsets, *([proposer_rows.long()] if proposer_rows is not None else [])]
@@ -482,9 +518,11 @@ class SpeculativeLoop:
             view.offset_bound = offset[0] if offset else 0
         if proposer_rows is not None:
             self.proposer.read_host_rows(lengths, rest[len(views) :])
-        ending = {i: lengths[i] for i, d in enumerate(done) if d}  # batch index -> final length
+        ending = {i: lengths[i] for i, d in enumerate(done) if d and i not in self.frozen_rows}  # index -> length
         if host:
             ending = self.stop_rules.host.settle(self, row_ids, lengths, stops, ending)
+        live = [lengths[i] for i in range(len(lengths)) if i not in self.frozen_rows and i not in ending]
+        self.longest_room = self.max_length - min(live, default=self.max_length)
         for i, length in ending.items():
             self.sequences[row_ids[i], :length] = self.batch.token_ids[i, :length]
             self.final_lengths[row_ids[i]] = length

@@ -36,6 +36,7 @@ class DraftBudgets:
         self.last_num_draft_tokens: torch.Tensor | None = None  # [B] drafts of the latest proposal
         self.last_num_accepted: torch.Tensor | None = None  # [B] what a planned step accepted
         self.last_draft_keys: torch.Tensor | None = None  # [B] keys of a planned step's drafts (prompt lookup)
+        self.plain_streak = 0  # planned steps in a row (this one included) in which no row drafts (host)
 
     @property
     def plans_on_host(self) -> bool:
@@ -65,6 +66,7 @@ class DraftBudgets:
         else:
             self.planned_budgets.copy_(budgets)  # in place: the graphs read it there
         self.planned_width = k if bool((budgets > 0).any()) else 0
+        self.plain_streak = 0 if self.planned_width else self.plain_streak + 1
         return self.planned_width
 
     def restart_timing(self) -> None:
@@ -94,10 +96,13 @@ class DraftBudgets:
         else:
             self.schedule.observe(self.last_num_draft_tokens, num_accepted)
 
-    def after_step(self, measured: bool = True) -> None:
-        """The step is done (its host read behind it); `measured`: it took what such steps take from now on."""
+    def after_step(self, measured: bool = True, steps: int = 1) -> None:
+        """The step is done (its host read behind it); `measured`: it took what such steps take from now on;
+        `steps`: a planned block of that many plain steps (`SpeculativeLoop.plain_block`)."""
         if self.schedule is not None and not measured:
             self.schedule.discard_timing()
+        if self.schedule is not None and steps > 1:
+            self.schedule.ran_plain_steps(steps)
         if self.planned_width is not None and self.last_num_accepted is not None:
             self.schedule.observe(self.last_num_draft_tokens, self.last_num_accepted, self.last_draft_keys)
 

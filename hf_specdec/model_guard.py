@@ -34,9 +34,12 @@ _SKIPPED = frozenset(
         "_is_full_backward_hook", "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
         "_load_state_dict_post_hooks", "_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
         "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called", "_compiled_call", "_last_compile_config",
-        "training",
+        "training", "_cache", "_previous_max_cache_length",
     }
 )  # fmt: skip
+# `_cache` and `_previous_max_cache_length` are plain `generate`'s own bookkeeping of its static cache (set on the
+# model by a `cache_implementation="static"` call, 5.17 and 5.24): no forward reads them, so a compiled plain call
+# between two of ours must not make our kept graphs look stale.
 #: the entries `torch.nn.Module.__init__` puts first in every module's `__dict__`, in order
 _INTERNAL = tuple(vars(torch.nn.Module()))
 _NUM_INTERNAL = len(_INTERNAL)

@@ -57,6 +57,9 @@ class SpeculationSchedule:
         """Host work between the step's choice and its device work (a draft's catch-up after steps without drafts)
         is not the step's own cost: a schedule that times steps starts its clock again."""
 
+    def ran_plain_steps(self, steps: int) -> None:  # noqa: B027
+        """The planned step just observed was a block of `steps` plain steps (one graph, one host read)."""
+
     def select_rows(self, keep: torch.Tensor) -> None:
         """Rows `keep` ([B'] indices) stay in the batch; the others finished."""
 

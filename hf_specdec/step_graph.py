@@ -86,7 +86,10 @@ class CudaGraphs:
         a later replay then ran its matmuls in freed memory (an H100 grid run faulted with "unspecified launch
         failure" once a model's kept entries overflowed). So the workspaces are dropped before the capture, the
         capture's first matmul makes one in this graph's private pool (which lives as long as the graph), and they
-        are dropped again after it, so that nothing else ever runs in it (as torch's own graph trees do)."""
+        are dropped again after it, so that nothing else ever runs in it (as torch's own graph trees do). cuBLAS's
+        handles are made first: a handle cannot be created inside a capture (CUBLAS_STATUS_NOT_INITIALIZED)."""
+        x = torch.ones(8, 8, device="cuda")
+        torch.nn.functional.linear(x, x, x[0])  # this thread's cuBLAS (and cuBLASLt) handles, made now if first
         torch.cuda.synchronize()
         torch._C._cuda_clearCublasWorkspaces()
         try:

@@ -151,6 +151,31 @@ def test_calls_that_adopt_a_kept_calls_state_give_plain_output(monkeypatch, emul
     graph_reuse.clear(target)
 
 
+def test_plain_static_generate_between_calls_leaves_kept_graphs_adoptable(monkeypatch, emulated_graphs):
+    """Plain `generate(cache_implementation="static")` (compiled plain, what a speed-minded user also calls) keeps
+    its cache's bookkeeping on the model (`_previous_max_cache_length`, `_cache`): no forward reads it, so the next
+    call still adopts the kept graphs (an H100 grid run recaptured after every compiled plain call before)."""
+    from conftest import make_model, make_noisy_copy, make_prompts, spec_generate
+
+    import hf_specdec
+    from hf_specdec.step_graph import StepGraph
+
+    monkeypatch.delenv(graph_reuse.REUSE_ENV, raising=False)
+    adopted = []
+    reuse = StepGraph._reuse
+    monkeypatch.setattr(StepGraph, "_reuse", lambda self: (reuse(self), adopted.append(self.entry is not None)))
+    target = make_model("llama", seed=0)
+    draft = make_noisy_copy(target)
+    inputs = make_prompts(2, seed=5, min_len=6, max_len=6)
+    gen = dict(max_new_tokens=12, do_sample=False, eos_token_id=None, cache_implementation="static")
+    for max_new_tokens in (12, 12, 30):
+        plain = target.generate(**inputs, **{**gen, "max_new_tokens": max_new_tokens})  # plain static, between calls
+        spec = hf_specdec.SpecDecoder(draft_model=draft)
+        assert torch.equal(spec_generate(target, inputs, spec, **gen), plain[:, : plain.shape[1] - max_new_tokens + 12])
+    assert adopted == [False, True, True]
+    graph_reuse.clear(target)
+
+
 def test_a_call_after_the_kernels_change_captures_its_own_graphs(monkeypatch, emulated_graphs):
     """A kept graph bakes in the kernels its models ran: after `set_experts_implementation` (or
     `set_attn_implementation`) the next call does not adopt it, and captures graphs of the new kernels."""

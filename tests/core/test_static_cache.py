@@ -68,7 +68,7 @@ def test_static_adaptive_planned_steps_match_plain_generate(batch_size, monkeypa
     """The default (adaptive) schedule on static caches decides each step on the host before its device work
     (`SpeculativeLoop.plan_step`: the key of the step's CUDA graph on a GPU) and learns after it (`after_step`): the
     same split runs here, uncaptured, and must equal plain decoding with steps that draft and steps that do not."""
-    from hf_specdec.decoding import SpeculativeLoop
+    from hf_specdec.decoding import PLAIN_BLOCK, SpeculativeLoop
 
     target = make_model("llama", seed=0)
     draft = make_noisy_copy(target, noise=0.3, seed=4)
@@ -80,8 +80,9 @@ def test_static_adaptive_planned_steps_match_plain_generate(batch_size, monkeypa
     spec = hf_specdec.SpecDecoder(draft_model=draft, num_speculative_tokens=4)
     out = spec_generate(target, inputs, spec, max_new_tokens=40, eos_token_id=None, **STATIC)
     assert torch.equal(out, expected)
-    assert keys and all(key in (("plain",), ("draft", 1), ("draft", 2), None) for key in keys)
-    assert spec.last_stats.num_steps == len(keys) + 1  # every step after the prefill was planned
+    assert keys and all(key in (("plain",), ("plain", PLAIN_BLOCK), ("draft", 1), ("draft", 2), None) for key in keys)
+    blocks = [key[1] if key[:1] == ("plain",) and len(key) == 2 else 1 for key in keys]
+    assert spec.last_stats.num_steps == sum(blocks) + 1  # every step after the prefill was planned
 
 
 def test_static_mtp_matches_plain_generate():
