@@ -158,7 +158,7 @@ def make_noisy_copy(model: torch.nn.Module, noise: float = 0.05, seed: int = 7) 
     draft = copy.deepcopy(model)
     with torch.no_grad():
         for p in draft.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * noise * p.abs().mean())
+            p.add_(torch.randn(p.shape, generator=g).to(p.device) * noise * p.abs().mean())  # same draws on any device
     return draft.eval()
 
 
