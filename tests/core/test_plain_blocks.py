@@ -91,3 +91,35 @@ def test_sampled_blocks_follow_the_target_law(emulated_graphs, keys, monkeypatch
     out = spec_generate(target, inputs, spec, **sampling)
     assert ("plain", PLAIN_BLOCK) in keys
     check_first_tokens(out, prompt, exact_joint_law(target, prompt, 3, 1.0), 3)
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram", "early_exit", "mtp"])
+def test_blocks_between_drafting_steps_give_plain_tokens(emulated_graphs, keys, monkeypatch, method):
+    """Every static drafter, batch 3: a schedule that drafts one step in seven, so blocks of plain steps run between
+    drafting steps and the drafter catches up after each (its host counters moved by a whole block); plain's tokens."""
+    from proposers.test_mtp import make_mtp_target
+
+    from hf_specdec.adaptive import AdaptiveSchedule
+
+    calls = {"n": 0}
+
+    def every_seventh(self, keys_, num):  # noqa: ANN001, ANN202
+        calls["n"] += 1
+        return num.clone() if calls["n"] % 7 == 0 else torch.zeros_like(num)
+
+    monkeypatch.setattr(AdaptiveSchedule, "_choose", every_seventh)
+    if method == "mtp":
+        target, mtp = make_mtp_target("deepseek_v3")
+        spec = hf_specdec.SpecDecoder(method="mtp", mtp_model=mtp, num_speculative_tokens=2)
+    else:
+        target = make_model("llama", seed=0)
+        spec = {"draft": lambda: hf_specdec.SpecDecoder(draft_model=make_model("llama", seed=0)),
+                "ngram": lambda: hf_specdec.SpecDecoder(method="ngram", num_speculative_tokens=3),
+                "early_exit": lambda: hf_specdec.SpecDecoder(early_exit_layers=1)}[method]()  # fmt: skip
+    inputs = make_prompts(3, seed=9, min_len=4, max_len=12)
+    gen = dict(max_new_tokens=40, do_sample=False, eos_token_id=None)
+    expected = target.generate(**inputs, **gen)
+    out = spec_generate(target, inputs, spec, cache_implementation="static", **gen)
+    assert torch.equal(out, expected)
+    assert ("plain", PLAIN_BLOCK) in keys and any(key is not None and key[0] == "draft" for key in keys)
+    assert spec.last_stats.num_graph_replays > 0
