@@ -43,7 +43,11 @@ class Pattern(SpeculationSchedule):
 
 @pytest.fixture
 def patterned(monkeypatch, emulated_graphs):
+    from hf_specdec.decoding import SpeculativeLoop
+
     monkeypatch.setattr(plan, "build_schedule", lambda spec, *args, **kwargs: Pattern(spec.num_speculative_tokens))
+    # A pattern says what each step does: one plain step per plan (blocks of plain steps: test_plain_blocks.py).
+    monkeypatch.setattr(SpeculativeLoop, "plain_block", lambda self: 1)
     Pattern.queue = []
     return Pattern.queue
 
