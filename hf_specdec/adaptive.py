@@ -31,6 +31,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from hf_specdec.batch import RaggedBatch
@@ -337,6 +338,7 @@ class AdaptiveSchedule(SpeculationSchedule):
 
     #: static caches: after this many plain steps in a row, one step drafts to re-measure its cost (`explore`)
     REPROBE_AFTER = 128
+    observes_on_host = True  # it learns on the host: the dynamic loop hands it the step's read
 
     def __init__(
         self,
@@ -459,6 +461,10 @@ class AdaptiveSchedule(SpeculationSchedule):
         self.time_verify = None  # calibrate once per call, at the call's first batch size
         if self.static:  # a static step attends over the whole static length: its cost does not follow the context
             bucket = context_bucket(1.0)
+        elif batch.host_lengths is not None and batch.host_pad_lengths is not None:  # the host's copies: no read
+            bucket = context_bucket(
+                float(np.mean(batch.host_lengths - batch.host_pad_lengths)) if batch.batch_size else 0.0
+            )
         else:
             bucket = context_bucket(
                 float((batch.lengths - batch.pad_lengths).float().mean()) if batch.batch_size else 0.0
@@ -492,13 +498,20 @@ class AdaptiveSchedule(SpeculationSchedule):
         self.row_expected *= self.row_decay**extra
         self.stats.idle(extra)
 
-    def trim(self, proposal: Proposal) -> torch.Tensor:  # [B]
-        num = proposal.num_draft_tokens.cpu()
-        keys = proposal.draft_keys.cpu() if proposal.draft_keys is not None else torch.zeros_like(num)
-        self.keys = keys
+    def trim(self, proposal: Proposal) -> torch.Tensor | np.ndarray:  # [B]
+        """The drafts each row keeps: on the device, or on the host (numpy) for a proposal with host counts."""
+        host = proposal.host_num_draft_tokens
+        if proposal.host_draft_keys is not None:
+            self.keys = torch.from_numpy(proposal.host_draft_keys)
+        elif proposal.draft_keys is not None:
+            self.keys = proposal.draft_keys.cpu()
+        else:  # one category
+            self.keys = torch.zeros(len(proposal.num_draft_tokens), dtype=torch.long)
         if not self.propose_first:  # decided before drafting
-            return proposal.num_draft_tokens
-        return self._choose(keys, num).to(proposal.num_draft_tokens.device)
+            return host if host is not None else proposal.num_draft_tokens
+        num = torch.from_numpy(host) if host is not None else proposal.num_draft_tokens.cpu()
+        chosen = self._choose(self.keys, num)
+        return chosen.numpy() if host is not None else chosen.to(proposal.num_draft_tokens.device)
 
     def select_rows(self, keep: torch.Tensor) -> None:
         keep = keep.cpu()

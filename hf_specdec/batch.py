@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -22,6 +23,11 @@ class RaggedBatch:
     pad_lengths: torch.Tensor  # [B] int64: left padding of each row (its first real token's index)
     row_ids: torch.Tensor  # [B] int64: the row's index in the caller's batch
     prompt_width: int  # P: width of the left-padded prompt (same for every row)
+    #: the host's copies of `lengths` and `pad_lengths` (numpy int64 [B]), which the dynamic loop keeps from its one
+    #: read per step (`advance_host`); None where nobody keeps them
+    host_lengths: np.ndarray | None = None
+    host_pad_lengths: np.ndarray | None = None
+    host_row_ids: np.ndarray | None = None
 
     @property
     def batch_size(self) -> int:
@@ -80,11 +86,25 @@ class RaggedBatch:
             pad_lengths=pad_lengths,
             row_ids=torch.arange(batch_size, device=device),
             prompt_width=prompt_width,
+            host_lengths=np.full(batch_size, prompt_width, dtype=np.int64),
+            host_pad_lengths=pad_lengths.cpu().numpy().astype(np.int64),  # one read, before any step
+            host_row_ids=np.arange(batch_size, dtype=np.int64),
         )
 
-    def select_rows(self, keep: torch.Tensor) -> None:
-        """Keep only rows `keep` ([B'] int64 indices)."""
+    def advance_host(self, num_kept: np.ndarray) -> None:  # [B]
+        """The host's copy of `lengths` after a step that kept `num_kept` tokens per row (read by the loop)."""
+        if self.host_lengths is not None:
+            self.host_lengths = self.host_lengths + num_kept
+
+    def select_rows(self, keep: torch.Tensor, host_keep: np.ndarray | None = None) -> None:
+        """Keep only rows `keep` ([B'] int64 indices; `host_keep`: the same on the host, which keeps the host's
+        copies, else they are dropped)."""
         self.token_ids = self.token_ids[keep]
         self.lengths = self.lengths[keep]
         self.pad_lengths = self.pad_lengths[keep]
         self.row_ids = self.row_ids[keep]
+        if host_keep is None or self.host_lengths is None or self.host_pad_lengths is None or self.host_row_ids is None:
+            self.host_lengths = self.host_pad_lengths = self.host_row_ids = None
+        else:
+            self.host_lengths, self.host_pad_lengths = self.host_lengths[host_keep], self.host_pad_lengths[host_keep]
+            self.host_row_ids = self.host_row_ids[host_keep]

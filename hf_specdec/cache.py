@@ -14,6 +14,7 @@ A hybrid model's recurrent layers have no columns: `hf_specdec.recurrent` rolls 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
@@ -21,6 +22,7 @@ from transformers.cache_utils import DynamicLayer
 from hf_specdec import compat
 from hf_specdec.compat import crop_cache, is_recurrent_layer
 from hf_specdec.devices import PerDevice, select_cache_rows
+from hf_specdec.host_columns import HostColumns
 from hf_specdec.model_support import alibi_from_mask, check_attention_implementation
 from hf_specdec.placement import input_device
 from hf_specdec.recurrent import RecurrentRollback, is_hybrid
@@ -49,6 +51,11 @@ class CacheView:
         self.pad_lengths = pad_lengths.clone()  # [B]
         self.column_index = torch.empty(batch_size, 0, dtype=torch.long, device=device)  # [B, W], -1 = hole
         self.cached_lengths = torch.zeros(batch_size, dtype=torch.long, device=device)  # [B]
+        #: the host's copy of cached_lengths and each row's newest real column (dynamic caches, without recurrent
+        #: layers): forwards and rollbacks told the host numbers read nothing; None until `host_columns` reads them
+        self.host: HostColumns | None = None
+        if self.recurrent is None and type(self).rollback is CacheView.rollback:
+            self.host = HostColumns.empty(self.pad_lengths.cpu().numpy().astype(np.int64))
         # Column j holds buffer index j (one row, no padding): holes can never appear, rollback only crops.
         self.aligned = batch_size == 1 and not bool(self.pad_lengths.any())
         config = model.config.get_text_config()
@@ -69,11 +76,15 @@ class CacheView:
         token_ids: torch.Tensor,  # [B, C] the batch's token buffer
         num_new: torch.Tensor,  # [B] tokens to feed per row, from cached_lengths[i] on
         logits_to_keep: int | None = None,
+        host_num_new: np.ndarray | None = None,  # [B] num_new as the host knows it (then nothing is read)
     ) -> torch.Tensor:  # [B, w, V] float32 logits of the fed positions (w = max(num_new))
         """Feed each row's next `num_new[i]` tokens through the model, appending them to the cache."""
         batch_size = token_ids.shape[0]
         device = token_ids.device
-        width = int(num_new.max().item()) if batch_size else 0
+        if host_num_new is not None:
+            width = int(host_num_new.max()) if batch_size else 0
+        else:
+            width = int(num_new.max().item()) if batch_size else 0
         offsets = torch.arange(width, device=device)  # [w]
         index = self.cached_lengths[:, None] + offsets  # [B, w] buffer index of each fed slot
         valid = offsets < num_new[:, None]  # [B, w]
@@ -99,6 +110,10 @@ class CacheView:
         finally:
             if self.recurrent is not None:
                 self.recurrent.end_forward()
+        if self.host is not None and host_num_new is not None:
+            self.host.fed(self.width, host_num_new)
+        else:
+            self.host = None  # lost track: `host_columns` reads it when it is next needed
         self.column_index = keys
         self.cached_lengths = self.cached_lengths + num_new
         return logits.float()
@@ -184,8 +199,31 @@ class CacheView:
         blocked = torch.finfo(self.mask_dtype).min
         return torch.zeros(allowed.shape, dtype=self.mask_dtype, device=allowed.device).masked_fill(~allowed, blocked)
 
-    def rollback(self, cached_lengths: torch.Tensor) -> None:
-        """Keep only buffer indices < cached_lengths[i] ([B]) of each row; crop or compact the holes."""
+    def rollback(self, cached_lengths: torch.Tensor, host_cached: np.ndarray | None = None) -> None:
+        """Keep only buffer indices < cached_lengths[i] ([B]) of each row; crop or compact the holes. With
+        `host_cached` (the same lengths, on the host) the crop and compaction widths come from `host`: no read."""
+        host = self.host_columns() if host_cached is not None else None
+        dropped = host.rolled_back(host_cached) if host is not None else None
+        if dropped is None:  # no host copy, or a rollback past the latest forward: read the columns
+            self._rollback_read(cached_lengths)
+            return
+        keep = None
+        if dropped:
+            self.cached_lengths = torch.minimum(self.cached_lengths, cached_lengths)
+            keep = (self.column_index >= 0) & (self.column_index < self.cached_lengths[:, None])  # [B, W]
+            self.column_index = torch.where(keep, self.column_index, -1)
+        new_width = host.width()
+        if new_width < self.width:
+            crop_cache(self.cache, new_width - self.width)
+            self.column_index = self.column_index[:, :new_width]
+        holes = 1.0 - host.real().sum() / max(len(host.cached) * self.width, 1)
+        if self.width >= COMPACT_MIN_COLUMNS and holes > COMPACT_HOLE_SHARE:
+            self.compact(self.column_index >= 0)
+            host.compacted(self.width)
+
+    def _rollback_read(self, cached_lengths: torch.Tensor) -> None:
+        """`rollback` without the host's copy: the widths are read from the device (and the copy is dropped)."""
+        self.host = None
         self.cached_lengths = torch.minimum(self.cached_lengths, cached_lengths)
         if self.recurrent is not None:
             self.recurrent.rollback(self.cached_lengths)
@@ -200,9 +238,25 @@ class CacheView:
         if self.width >= COMPACT_MIN_COLUMNS and (~keep).float().mean().item() > COMPACT_HOLE_SHARE:
             self.compact(keep)
 
+    def host_columns(self) -> HostColumns | None:
+        """The host's copy of each row's cached length and newest real column, read from the device (one read)
+        when lost; None for views whose rollback is not this one (recurrent layers, static caches)."""
+        if self.host is None and self.recurrent is None and type(self).rollback is CacheView.rollback:
+            columns = torch.arange(self.width, device=self.column_index.device)  # [W]
+            last = torch.where(self.column_index >= 0, columns, -1).amax(1) if self.width else -torch.ones_like(
+                self.cached_lengths)  # fmt: skip
+            cached, last, pad = torch.stack([self.cached_lengths, last, self.pad_lengths]).cpu().numpy()
+            self.host = HostColumns(
+                cached=cached.astype(np.int64), last=last.astype(np.int64), pad=pad.astype(np.int64)
+            )
+        return self.host
+
     def compact(self, keep: torch.Tensor) -> None:
         """Gather each row's real columns to the right end of a narrower cache (holes move left)."""
-        new_width = int(keep.sum(1).max().item())
+        if self.host is not None:  # the most real columns of any row, as the host knows them
+            new_width = int(self.host.real().max())
+        else:
+            new_width = int(keep.sum(1).max().item())
         order = torch.sort(keep.to(torch.int8), dim=1, stable=True).indices[:, self.width - new_width :]  # [B, W']
         self.column_index = self.column_index.gather(1, order)
         index = PerDevice(order[:, None, :, None])  # [B, 1, W', 1], on each layer's device
@@ -213,8 +267,9 @@ class CacheView:
             layer.keys = layer.keys.gather(2, on.expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3]))
             layer.values = layer.values.gather(2, on.expand(-1, layer.values.shape[1], -1, layer.values.shape[3]))
 
-    def select_rows(self, keep: torch.Tensor) -> None:
-        """Keep only rows `keep` ([B'] indices) in the cache and the maps (each layer indexed on its own device)."""
+    def select_rows(self, keep: torch.Tensor, host_keep: np.ndarray | None = None) -> None:
+        """Keep only rows `keep` ([B'] indices) in the cache and the maps (each layer indexed on its own device);
+        `host_keep`: the same indices on the host (else the host's copy is read again when next needed)."""
         rows = PerDevice(keep)
         select_cache_rows(self.cache, rows)
         if self.recurrent is not None:  # transformers' recurrent layers cannot select rows: `hf_specdec.recurrent` does
@@ -222,3 +277,4 @@ class CacheView:
         self.column_index = self.column_index[keep]
         self.cached_lengths = self.cached_lengths[keep]
         self.pad_lengths = self.pad_lengths[keep]
+        self.host = self.host.select(host_keep) if self.host is not None and host_keep is not None else None

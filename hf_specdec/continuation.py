@@ -101,6 +101,7 @@ class CacheHandoff:
         index = torch.arange(past, device=view.pad_lengths.device)  # [W0]
         view.column_index = torch.where(index[None] >= view.pad_lengths[:, None], index[None], -1)  # [B, W0]
         view.cached_lengths = torch.full_like(view.cached_lengths, past)
+        view.host = None  # the host's copy is read again when next needed (`CacheView.host_columns`)
 
     def stash(self, view: CacheView, rows: torch.Tensor, row_ids: torch.Tensor) -> None:
         """Keep the cache rows `rows` ([b] indices into the live batch) of rows about to leave the batch (each layer's

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers import PreTrainedModel
 
@@ -29,6 +30,7 @@ from hf_specdec.model_guard import ModelGuard, model_serial
 from hf_specdec.model_support import capture_hint
 from hf_specdec.proposers.base import Proposal, Proposer
 from hf_specdec.proposers.draft_model import draft_position_limit
+from hf_specdec.proposers.top1 import Top1Proposer
 from hf_specdec.sampling import random as row_random
 from hf_specdec.sampling.processors import StepSampling
 from hf_specdec.sampling.rejection import SAMPLER_ENV, rejection_sample
@@ -65,6 +67,17 @@ def capture_blocker(
     if hybrid:
         return "hybrid models roll their recurrent states back with host reads and re-runs"
     return None
+
+
+@dataclass
+class StepRead:
+    """What a dynamic step's one host read brought back, per row (numpy int64 [B])."""
+
+    num_kept: np.ndarray  # tokens the step kept
+    num_accepted: np.ndarray  # drafts the target accepted
+    num_draft_tokens: np.ndarray  # drafts verified
+    done: np.ndarray  # bool: the row can leave the batch
+    stop_lengths: np.ndarray | None  # each row's first stop (host criteria only)
 
 
 @dataclass
@@ -150,6 +163,7 @@ class SpeculativeLoop:
             self.step_graph is not None and stop_rules.host is None and proposer.host_rows(batch) is None
         )
         self.longest_room = max_length  # tokens the live row furthest from max_length may still get (host)
+        self.step_read: StepRead | None = None  # the dynamic step's one host read (`read_step`)
         self.sequences = batch.token_ids[:, :max_length].clone()  # [B_total, max_length] final rows
         self.final_lengths = batch.lengths.clone()  # [B_total] length of each row when it left
         self.streamed = batch.prompt_width
@@ -235,6 +249,16 @@ class SpeculativeLoop:
         if limit is not None:  # the slots fed start at the newest token (position seq_len - 1)
             seq_lengths = self.batch.lengths - self.batch.pad_lengths  # [B]
             num_new = torch.minimum(num_new, (limit - seq_lengths + 1).clamp(min=1))
+        host = self._host_cached()  # dynamic caches: the same on the host (nothing read)
+        if host is not None:
+            host_num_new = np.full(self.batch.batch_size, width, dtype=np.int64)
+            if limit is not None:
+                seq = self.batch.host_lengths - self.batch.host_pad_lengths
+                host_num_new = np.minimum(host_num_new, np.maximum(limit - seq + 1, 1))
+            fed = {"host_num_new": host_num_new}
+            undo = {"host_cached": self.batch.host_lengths - 1}
+        else:
+            fed, undo = self._width(width), {}
         synchronize = torch.cuda.synchronize if self.batch.device.type == "cuda" else (lambda: None)
         start = time.perf_counter()
         compiled_before = self.static.compile_time_s if self.static is not None else 0.0
@@ -242,10 +266,10 @@ class SpeculativeLoop:
         def timed() -> float:
             synchronize()
             timed_from = time.perf_counter()
-            self.target.forward(self.batch.token_ids, num_new, **self._width(width))
+            self.target.forward(self.batch.token_ids, num_new, **fed)
             synchronize()
             seconds = time.perf_counter() - timed_from
-            self.target.rollback(self.batch.lengths - 1)
+            self.target.rollback(self.batch.lengths - 1, **undo)
             return seconds
 
         seconds = timed()
@@ -330,8 +354,17 @@ class SpeculativeLoop:
             scores = self.score(proposal, target_logits)
             output_ids = self.accept(proposal, scores)  # [B, w]
         num_kept, num_accepted = self.commit(proposal, output_ids, scores, target_logits, stop_hits)
+        if self.static is None:  # dynamic caches: the step's one host read, then host decisions from it
+            self.step_read = self.read_step(proposal, num_kept, num_accepted)
         self.rollback(num_accepted)
         self.sampling.advance()  # the next step draws anew (a device counter: replays advance it too)
+
+    def _host_cached(self) -> np.ndarray | None:  # [B]
+        """Dynamic caches: the target's cached lengths as the host keeps them (None when it does not)."""
+        if self.static is not None or self.batch.host_lengths is None:
+            return None
+        host = self.target.host_columns()
+        return None if host is None else host.cached
 
     def _width(self, width: int) -> dict[str, int]:
         """The fixed slot count of a static forward (its CUDA graph); a dynamic forward finds its own."""
@@ -343,8 +376,14 @@ class SpeculativeLoop:
         if self.budgets.planned_width == 0:  # planned: no row drafts this step
             proposal = Proposal.empty(self.batch.batch_size, self.batch.device)
         else:
-            budget = self.budgets.budgets(self.batch, max_draft)  # [B]
-            proposal = self.proposer.propose(self.batch, budget, self.sampling, trim=self.budgets.trim)
+            chosen = None  # dynamic caches: the budgets on the host too, from its copy of the lengths
+            if self.static is None and self.batch.host_lengths is not None:
+                host_room = np.clip(self.max_length - self.batch.host_lengths - 1, 0, self.k)  # [B]
+                chosen = self.budgets.host_budgets(self.batch, max_draft, host_room)
+            budget, host_budget = chosen if chosen is not None else (self.budgets.budgets(self.batch, max_draft), None)
+            proposal = self.proposer.propose(
+                self.batch, budget, self.sampling, trim=self.budgets.trim, host_budget=host_budget
+            )
         self.budgets.proposed(proposal)
         # Drafts go into the scratch space after each row's tokens: processors and stops read them.
         width = proposal.draft_token_ids.shape[1]
@@ -368,12 +407,16 @@ class SpeculativeLoop:
         unseen = self.batch.lengths - self.target.cached_lengths  # [B] 1, or the whole row at step 0
         num_new = (unseen + proposal.num_draft_tokens).masked_fill(self.frozen, 0)  # [B]
         width = proposal.draft_token_ids.shape[1]  # the longest row's drafts (dynamic), or k (static)
+        cached = self._host_cached() if proposal.host_num_draft_tokens is not None else None
+        if cached is not None:  # dynamic caches, the counts known on the host: the forward reads nothing
+            fed = {"host_num_new": self.batch.host_lengths - cached + proposal.host_num_draft_tokens}
+        else:
+            fed = self._width(1 + width if self.prefilled else self.batch.prompt_width + width)
         if not self.prefilled:  # step 0 (all the prompt a filled cache lacks): keep [last prompt token, drafts]
-            self.prefilled = True
-            fed = self._width(self.batch.prompt_width + width)  # static: every row feeds its whole prompt
+            self.prefilled = True  # static: every row feeds its whole prompt
             return self.target.forward(self.batch.token_ids, num_new, logits_to_keep=1 + width, **fed)
         # After step 0 every fed slot is [newest token, drafts]: keep them all (no host sync).
-        return self.target.forward(self.batch.token_ids, num_new, **self._width(1 + width))
+        return self.target.forward(self.batch.token_ids, num_new, **fed)
 
     def score(self, proposal: Proposal, target_logits: torch.Tensor) -> torch.Tensor:  # [B, 1 + k, V]
         width = target_logits.shape[1]
@@ -385,6 +428,8 @@ class SpeculativeLoop:
     def accept(self, proposal: Proposal, scores: torch.Tensor) -> torch.Tensor:  # [B, 1 + k]
         batch_size, width, vocab = scores.shape
         device = scores.device
+        if width == 1 and not self.sampling.do_sample:  # no drafts, greedy: the sampler's bonus token is the argmax
+            return scores[:, 0].argmax(-1, keepdim=True).masked_fill(self.frozen[:, None], -1)  # [B, 1]
         if self.sampling.do_sample:
             uniforms = self.sampling.draw_uniforms(width - 1)  # [B, k]
             exponentials = self.sampling.draw_exponentials(row_random.STREAM_RESIDUAL, vocab)  # [B, V]
@@ -435,10 +480,36 @@ class SpeculativeLoop:
         self.stats.record_step(proposal.num_draft_tokens, num_accepted)
         return num_kept, num_accepted
 
+    def read_step(self, proposal: Proposal, num_kept: torch.Tensor, num_accepted: torch.Tensor) -> StepRead:
+        """A dynamic step's one host read: per row the tokens kept, drafts accepted and verified, whether it is done
+        (and its first stop for host criteria), with the rows a proposer that drafts on the host asks for
+        (`Proposer.host_rows`). The host's copy of the lengths advances by what it read."""
+        batch = self.batch
+        done = self.stop_rules.done(batch) | (batch.lengths >= self.max_length)  # [B]
+        parts = [num_kept, num_accepted, proposal.num_draft_tokens, done.long()]
+        host_criteria = self.stop_rules.host is not None
+        if host_criteria:
+            parts.append(self.stop_rules.stop_lengths.to(batch.device))
+        proposer_rows = self.proposer.host_rows(batch)  # [r, B] or None
+        stacked = torch.stack(parts)  # [4 or 5, B]
+        if proposer_rows is not None:
+            stacked = torch.cat([stacked, proposer_rows.long()])
+        values = stacked.cpu().numpy()  # [n, B]: the read
+        kept, accepted, drafted, done_rows = values[:4]
+        batch.advance_host(kept)
+        if proposer_rows is not None:
+            self.proposer.read_host_rows(batch.host_lengths, values[len(parts) :])
+        stops = values[4] if host_criteria else None
+        return StepRead(kept, accepted, drafted, done_rows.astype(bool), stops)
+
     def rollback(self, num_accepted: torch.Tensor) -> None:
         # The target holds every token but each row's newest one, which the next verify feeds.
-        self.target.rollback(self.batch.lengths - 1)
-        self.budgets.accepted(num_accepted)
+        read = self.step_read
+        host = self._host_cached() if read is not None else None
+        self.target.rollback(
+            self.batch.lengths - 1, **({} if host is None else {"host_cached": self.batch.host_lengths - 1})
+        )
+        self.budgets.accepted(num_accepted, None if read is None else (read.num_draft_tokens, read.num_accepted))
         self.proposer.commit(self.batch, num_accepted)
 
     # --- bookkeeping -------------------------------------------------------------------------------
@@ -465,6 +536,18 @@ class SpeculativeLoop:
         criteria (`max_time`, your own) are then called on what it read.
         """
         batch = self.batch
+        read, self.step_read = self.step_read, None
+        if self.static is None and read is not None and batch.host_lengths is not None:
+            lengths = batch.host_lengths.tolist()
+            ending = {int(i): lengths[i] for i in np.flatnonzero(read.done)}  # batch index -> final length
+            if self.stop_rules.host is not None or ending:
+                row_ids = batch.host_row_ids.tolist()
+                if self.stop_rules.host is not None:
+                    ending = self.stop_rules.host.settle(self, row_ids, lengths, read.stop_lengths.tolist(), ending)
+                if ending:
+                    self._leave(ending, row_ids)
+            self.stream()
+            return
         done = self.stop_rules.done(batch) | (batch.lengths >= self.max_length)  # [B]
         if self.static is not None:
             self._freeze(done)
@@ -489,13 +572,16 @@ class SpeculativeLoop:
             self.handoff.stash(self.target, leaving, batch.row_ids[leaving])
             for i, length in ending.items():  # a row cut by a host criterion hands back only what it kept
                 self.handoff.cut(row_ids[i], length)
-        keep = torch.tensor([i for i in range(batch.batch_size) if i not in ending], dtype=torch.long,
-                            device=batch.device)  # fmt: skip
-        batch.select_rows(keep)
+        host_keep = np.array([i for i in range(batch.batch_size) if i not in ending], dtype=np.int64)  # [B']
+        keep = torch.from_numpy(host_keep).to(batch.device)
+        batch.select_rows(keep, host_keep)
         self.frozen = self.frozen[keep]
-        self.target.select_rows(keep)
-        self.budgets.select_rows(keep)
-        self.proposer.select_rows(keep)
+        self.target.select_rows(keep, host_keep)
+        self.budgets.select_rows(keep, host_keep)
+        if isinstance(self.proposer, Top1Proposer):
+            self.proposer.select_rows(keep, host_keep)
+        else:
+            self.proposer.select_rows(keep)
         self.sampling.select_rows(keep)
         self.stop_rules.select_rows(keep)
 
@@ -536,8 +622,13 @@ class SpeculativeLoop:
         if self.streamer is None:
             return
         final_length = self.stop_rules.final_length(self.final_lengths, self.batch, self.live())
-        # One host read of [3, B]: each row's length, caller row id and whether it is frozen (static caches).
-        lengths, row_ids, frozen = torch.stack([self.batch.lengths, self.batch.row_ids, self.frozen.long()]).tolist()
+        if self.static is None and self.batch.host_lengths is not None:  # the host's copies (no frozen rows)
+            lengths, row_ids = self.batch.host_lengths.tolist(), self.batch.host_row_ids.tolist()
+            frozen = [0] * len(lengths)
+        else:  # one host read of [3, B]: each row's length, caller row id and whether it is frozen (static caches)
+            lengths, row_ids, frozen = torch.stack(
+                [self.batch.lengths, self.batch.row_ids, self.frozen.long()]
+            ).tolist()
         live = {row: i for i, (row, f) in enumerate(zip(row_ids, frozen)) if not f}
         safe = min((lengths[i] for i in live.values()), default=final_length)
         safe = min(safe, final_length, self.stop_rules.confirmed_width())  # host criteria may still cut later ones

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from hf_specdec.batch import RaggedBatch
@@ -81,18 +82,37 @@ class DraftBudgets:
         planned = self.planned_budgets if self.planned_width is not None else None
         return torch.minimum(room, planned if planned is not None else self.schedule.budgets(batch))
 
+    def host_budgets(
+        self, batch: RaggedBatch, room: torch.Tensor, host_room: np.ndarray
+    ) -> tuple[torch.Tensor, np.ndarray] | None:  # [B] on the device, the same [B] on the host
+        """`budgets` of an unplanned dynamic step when the schedule decides on the host (`host_room`: `room` on the
+        host): the loop then reads nothing for them. None when the schedule decides on the device."""
+        if self.schedule is None:
+            return room, host_room
+        chosen = self.schedule.host_budgets(batch) if self.planned_width is None else None  # [B] host tensor
+        if chosen is None:
+            return None
+        host = np.minimum(host_room, chosen.numpy())
+        if not host.any():  # no row drafts (as when drafting does not pay): nothing to copy
+            return torch.zeros_like(room), host
+        return torch.from_numpy(host).to(batch.device), host  # the step's one copy to the device
+
     def proposed(self, proposal: Proposal) -> None:
         """The step's proposal (after every cut): what the schedule learns from once the step is accepted."""
         self.last_num_draft_tokens = proposal.num_draft_tokens
         if proposal.draft_keys is not None and self.planned_width is not None:
             self.last_draft_keys = proposal.draft_keys  # the schedule reads them after the step
 
-    def accepted(self, num_accepted: torch.Tensor) -> None:  # [B]
-        """What the target accepted of the step's drafts: learned now, or after the step when it was planned."""
+    def accepted(self, num_accepted: torch.Tensor, host: tuple[np.ndarray, np.ndarray] | None = None) -> None:  # [B]
+        """What the target accepted of the step's drafts: learned now, or after the step when it was planned.
+        `host`: the step's drafts and accepted counts as its one read brought them (a schedule that learns on the
+        host takes those)."""
         if self.schedule is None or self.last_num_draft_tokens is None:
             return
         if self.planned_width is not None:  # a planned step: the schedule reads it after the step (no sync)
             self.last_num_accepted = num_accepted
+        elif host is not None and self.schedule.observes_on_host:
+            self.schedule.observe(torch.from_numpy(host[0]), torch.from_numpy(host[1]))
         else:
             self.schedule.observe(self.last_num_draft_tokens, num_accepted)
 
@@ -106,9 +126,10 @@ class DraftBudgets:
         if self.planned_width is not None and self.last_num_accepted is not None:
             self.schedule.observe(self.last_num_draft_tokens, self.last_num_accepted, self.last_draft_keys)
 
-    def select_rows(self, keep: torch.Tensor) -> None:
+    def select_rows(self, keep: torch.Tensor, host_keep: np.ndarray | None = None) -> None:
         if self.schedule is not None:
-            self.schedule.select_rows(keep)
+            on_host = host_keep is not None and self.schedule.observes_on_host
+            self.schedule.select_rows(torch.from_numpy(host_keep) if on_host else keep)
         self.last_num_draft_tokens = None
 
     def finish(self) -> None:

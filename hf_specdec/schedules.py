@@ -26,6 +26,8 @@ class SpeculationSchedule:
     #: a schedule decides on the host: no captured graph reads its tensors (`graph_reuse` leaves them out, also on
     #: the CPU, where host and device tensors look alike)
     host_only = True
+    #: `observe` and `select_rows` take host tensors (the dynamic loop's one read per step brings them)
+    observes_on_host = False
 
     def __init__(self, max_k: int) -> None:
         self.max_k = int(max_k)
@@ -38,6 +40,13 @@ class SpeculationSchedule:
 
     def budgets(self, batch: RaggedBatch) -> torch.Tensor:  # [B] int64 drafts each row may have this step
         return torch.full((batch.batch_size,), self.max_k, dtype=torch.long, device=batch.device)
+
+    def host_budgets(self, batch: RaggedBatch) -> torch.Tensor | None:  # [B] int64 on the host, or None
+        """`budgets` decided on the host (the dynamic loop then reads nothing for them); None: decided on the
+        device (a subclass that overrides `budgets` alone)."""
+        if type(self).budgets is not SpeculationSchedule.budgets:
+            return None
+        return torch.full((batch.batch_size,), self.max_k, dtype=torch.long)
 
     def trim(self, proposal: Proposal) -> torch.Tensor:  # [B] int64 drafts each row keeps of those proposed
         """After proposing: how many of each row's drafts to verify (all of them by default)."""

@@ -17,6 +17,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import DynamicCache, EncoderDecoderCache, PreTrainedModel
 
@@ -191,8 +192,8 @@ class Seq2SeqCacheView(CacheView):
     def kv_layers(self) -> list:
         return self.cache.self_attention_cache.layers
 
-    def select_rows(self, keep: torch.Tensor) -> None:
-        super().select_rows(keep)
+    def select_rows(self, keep: torch.Tensor, host_keep: np.ndarray | None = None) -> None:
+        super().select_rows(keep, host_keep)
         self.encoder = self.encoder.select_rows(keep)
 
 

@@ -12,6 +12,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -32,6 +33,10 @@ class Proposal:
     #: [B] int64 >= 0: what the proposer knows about how good each row's drafts are, as a small category that the
     #: adaptive schedule learns acceptance per (the n-gram proposer: the matched n). None: one category for all.
     draft_keys: torch.Tensor | None = None
+    #: [B] int64 numpy: `num_draft_tokens` as the host knows it without a read (a host search, a draft model given
+    #: its budgets on the host), else None; the dynamic loop then sizes its verify from it
+    host_num_draft_tokens: np.ndarray | None = None
+    host_draft_keys: np.ndarray | None = None  # [B] int64 numpy: `draft_keys` on the host, when known there
 
     @classmethod
     def empty(cls, batch_size: int, device: torch.device) -> Proposal:
@@ -39,6 +44,7 @@ class Proposal:
         return cls(
             draft_token_ids=torch.empty(batch_size, 0, dtype=torch.long, device=device),
             num_draft_tokens=torch.zeros(batch_size, dtype=torch.long, device=device),
+            host_num_draft_tokens=np.zeros(batch_size, dtype=np.int64),
         )
 
 
@@ -71,6 +77,11 @@ class Proposer(ABC):
     #: True when proposing costs next to nothing next to a verify (the n-gram search): the adaptive schedule then
     #: lets every row propose k drafts and decides from the drafts (and their `draft_keys`) how many to verify.
     proposes_cheaply: bool = False
+
+    #: True when `propose` takes `host_budget` (the rows' budgets on the host, dynamic caches) and returns
+    #: `Proposal.host_num_draft_tokens`, and `select_rows` takes `host_keep`: the loop's step then reads the device
+    #: once.
+    reads_host_budget: bool = False
 
     #: The call's static-cache plan (`use_static`), or None on dynamic caches.
     static: StaticPlan | None = None

@@ -17,6 +17,7 @@ import weakref
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from transformers import PreTrainedModel
 
@@ -63,6 +64,8 @@ def check_draft_model(target: PreTrainedModel, draft: PreTrainedModel) -> None:
 
 class DraftModelProposer(Proposer):
     """Drafts with a small causal LM; batched over rows, one forward per draft position."""
+
+    reads_host_budget = True
 
     def __init__(
         self,
@@ -138,8 +141,15 @@ class DraftModelProposer(Proposer):
         view.offset_bound = int(view.offset.item())  # back where the prefill left it (rollback moved the offset)
 
     def propose(
-        self, batch: RaggedBatch, max_draft_tokens: torch.Tensor, sampling: StepSampling, width: int | None = None
+        self,
+        batch: RaggedBatch,
+        max_draft_tokens: torch.Tensor,  # [B]
+        sampling: StepSampling,
+        width: int | None = None,
+        host_budget: np.ndarray | None = None,  # [B] max_draft_tokens on the host (dynamic caches), or None
     ) -> Proposal:
+        """k forwards of the draft, each row drafting while within its budget. With `host_budget` (and no confidence
+        threshold, which stops rows on the device) every forward's width is the host's: nothing is read."""
         assert self.view is not None, "prefill() must run before propose()"
         static = self.static is not None
         if static:  # fixed shapes: k forwards, the first 2 slots wide (catch-up), the others 1 (no host sync)
@@ -156,6 +166,9 @@ class DraftModelProposer(Proposer):
         lengths = batch.lengths.clone()  # [B] tokens known per row, drafts included
         confident = torch.ones_like(max_draft_tokens, dtype=torch.bool)  # [B] rows still above the threshold
         threshold = self.confidence_threshold
+        host = None  # [B] the host's copy of `lengths` while it knows each row's drafts
+        if host_budget is not None and threshold is None and not static and batch.host_lengths is not None:
+            host = batch.host_lengths.copy() if self.view.host_columns() is not None else None
         for j in range(k):
             drafting = (max_draft_tokens > j) & confident  # [B]
             if threshold is not None and j > 0 and not static and not bool(drafting.any()):
@@ -172,7 +185,11 @@ class DraftModelProposer(Proposer):
                 logits = self.view.forward(batch.token_ids, num_new, width=1)  # [B, 1, V]
             else:
                 num_new = torch.where(drafting, lengths - self.view.cached_lengths, 0)  # [B]
-                logits = self.view.forward(batch.token_ids, num_new)  # [B, w, V]
+                host_new = None
+                if host is not None:
+                    host_new = np.where(host_budget > j, host - self.view.host.cached, 0)  # [B] num_new, on the host
+                    host += host_budget > j
+                logits = self.view.forward(batch.token_ids, num_new, host_num_new=host_new)  # [B, w, V]
             last = logits[rows, (num_new - 1).clamp(min=0)]  # [B, V]
             scores = sampling.process(batch.token_ids, lengths[:, None], drafting[:, None], last[:, None])[:, 0]
             if sampling.do_sample:
@@ -201,6 +218,9 @@ class DraftModelProposer(Proposer):
             draft_token_ids=draft_ids[:, :width],
             num_draft_tokens=num_draft,
             draft_probs=probs[:, :width] if probs is not None else None,
+            host_num_draft_tokens=np.minimum(host_budget, k)
+            if host is not None
+            else None,  # every row drafts its budget
         )
 
     def plan_step(self, batch: RaggedBatch) -> Hashable | None:
@@ -239,13 +259,14 @@ class DraftModelProposer(Proposer):
             self.confidence_threshold.update(self._drafted_probs, num_accepted)
             self._drafted_probs = None
         # The newest token of each row (recovered or bonus) was never seen by the draft.
-        self.view.rollback(batch.lengths - 1)
+        host = {} if batch.host_lengths is None or self.static is not None else {"host_cached": batch.host_lengths - 1}
+        self.view.rollback(batch.lengths - 1, **host)
         self.behind = 2 if self.proposed else self.behind + 1
         self.proposed = False
 
-    def select_rows(self, keep: torch.Tensor) -> None:
+    def select_rows(self, keep: torch.Tensor, host_keep: np.ndarray | None = None) -> None:
         if self.view is not None:
-            self.view.select_rows(keep)
+            self.view.select_rows(keep, **({} if host_keep is None else {"host_keep": host_keep}))
         self._drafted_probs = None
 
 

@@ -88,9 +88,9 @@ class _EarlyExitView(CacheView):
         super().__init__(model, batch_size, pad_lengths)
         self.num_layers = num_layers
 
-    def forward(self, token_ids, num_new, logits_to_keep=None):  # noqa: ANN001, ANN201
+    def forward(self, token_ids, num_new, logits_to_keep=None, host_num_new=None):  # noqa: ANN001, ANN201
         with truncated(self.model, self.num_layers):
-            logits = super().forward(token_ids, num_new, logits_to_keep)
+            logits = super().forward(token_ids, num_new, logits_to_keep, host_num_new)
         if len(self.cache.layers) != self.num_layers:
             raise _ignores_truncation(self.model, len(self.cache.layers), self.num_layers)
         return logits

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from hf_specdec.proposers import ProposerContext, register
@@ -51,6 +52,7 @@ class NgramProposer(Proposer):
     returns_probs: bool = False
     stateless: bool = True
     proposes_cheaply: bool = True
+    reads_host_budget: bool = True
 
     def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int = 1, prompt_lookup_max: int = 4):
         if num_speculative_tokens < 1:
@@ -70,6 +72,38 @@ class NgramProposer(Proposer):
         self.num_speculative_tokens = int(num_speculative_tokens)
         self.prompt_lookup_min = int(prompt_lookup_min)
         self.prompt_lookup_max = int(prompt_lookup_max)
+        #: dynamic caches: the host's copy of every row's tokens, by the row's index in the caller's batch (rows
+        #: that leave keep theirs: nothing to select)
+        self.tokens: np.ndarray | None = None  # [B_total, C]
+        self.read_rows: np.ndarray | None = None  # [B] caller rows of the step's `host_rows`
+
+    def prefill(self, batch: RaggedBatch, sampling: StepSampling) -> None:
+        """Dynamic caches: the host's copy of the rows (one read, before the first step)."""
+        self.tokens = None
+        if self.static is None and batch.host_row_ids is not None:
+            self.tokens = batch.token_ids.to("cpu", torch.int64, copy=True).numpy()
+
+    def host_rows(self, batch: RaggedBatch) -> torch.Tensor | None:  # [k + 1, B]
+        """Dynamic caches: each row's last k + 1 tokens (a step commits at most that many), for the step's read."""
+        self.read_rows = batch.host_row_ids
+        if self.tokens is None or self.read_rows is None:
+            self.tokens = None  # the host lost track of the rows: search the device's tokens from now on
+            return None
+        width = self.num_speculative_tokens + 1
+        index = (batch.lengths[:, None] - width + torch.arange(width, device=batch.device)).clamp(min=0)  # [B, k + 1]
+        return batch.token_ids.gather(1, index).T
+
+    def read_host_rows(self, lengths: np.ndarray, rows: np.ndarray) -> None:
+        """What `host_rows` asked for, read with the rows' lengths after the step, into the host's copy."""
+        assert self.tokens is not None and self.read_rows is not None
+        width = self.num_speculative_tokens + 1
+        index = np.maximum(np.asarray(lengths)[:, None] - width + np.arange(width), 0)  # [B, k + 1]
+        tokens = self.tokens[self.read_rows]  # [B, C]
+        np.put_along_axis(tokens, index, np.asarray(rows, np.int64).T, axis=1)
+        self.tokens[self.read_rows] = tokens
+
+    def select_rows(self, keep: torch.Tensor, host_keep: np.ndarray | None = None) -> None:
+        """Nothing to select: the host's copy is kept by caller row (`RaggedBatch.host_row_ids`)."""
 
     @property
     def capturable(self) -> bool:  # type: ignore[override]
@@ -82,6 +116,7 @@ class NgramProposer(Proposer):
         max_draft_tokens: torch.Tensor,  # [B] int64, 0..k
         sampling: StepSampling,
         width: int | None = None,  # unused: the search reads the budgets with the lengths
+        host_budget: np.ndarray | None = None,  # [B] max_draft_tokens on the host (dynamic caches), or None
     ) -> Proposal:
         """
         Search every row of `batch` for a repeated n-gram and return its continuation as drafts.
@@ -116,6 +151,8 @@ class NgramProposer(Proposer):
         device = batch.device
         if batch_size == 0:
             return Proposal.empty(0, device)
+        if host_budget is not None and self.tokens is not None and batch.host_row_ids is not None:
+            return self._propose_host(batch, host_budget)
         meta = torch.stack([batch.lengths, batch.pad_lengths, max_draft_tokens.to(batch.lengths.device)])
         meta = meta.to("cpu", torch.int64).numpy()  # [3, B]
         ends, starts, num_tokens = meta[0], meta[1], meta[2]
@@ -137,6 +174,33 @@ class NgramProposer(Proposer):
         num_draft_tokens = torch.from_numpy(counts).to(device)  # [B]
         draft_keys = torch.from_numpy(match_lengths).to(device)  # [B] the matched n: longer matches are surer
         return Proposal(draft_token_ids, num_draft_tokens, draft_probs=None, draft_keys=draft_keys)
+
+    def _propose_host(self, batch: RaggedBatch, host_budget: np.ndarray) -> Proposal:
+        """The search over the host's copy of the rows: no read; the drafts go to the device in one copy."""
+        assert self.tokens is not None and batch.host_row_ids is not None
+        assert batch.host_lengths is not None and batch.host_pad_lengths is not None
+        rows = batch.host_row_ids
+        tokens = self.tokens if len(rows) == len(self.tokens) else self.tokens[rows]  # [B, C]: rows leave in order
+        drafts, counts, match_lengths = ngram_search(
+            tokens,
+            batch.host_pad_lengths,
+            batch.host_lengths,
+            host_budget,
+            self.prompt_lookup_min,
+            self.prompt_lookup_max,
+            self.num_speculative_tokens,
+        )  # [B, k], [B], [B]
+        k_used = int(counts.max())
+        packed = torch.from_numpy(np.concatenate([drafts[:, :k_used], counts[:, None], match_lengths[:, None]], 1))
+        packed = packed.to(batch.device)  # [B, k_used + 2]
+        return Proposal(
+            packed[:, :k_used],
+            packed[:, k_used],
+            draft_probs=None,
+            draft_keys=packed[:, k_used + 1],  # the matched n: longer matches are surer
+            host_num_draft_tokens=counts,
+            host_draft_keys=match_lengths,
+        )
 
 
 @register("ngram")

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -88,6 +89,14 @@ class Top1Proposer(Proposer):
         by_length = length_budget(batch.lengths - batch.pad_lengths, self.limit)
         return budget if by_length is None else torch.minimum(budget, by_length)
 
+    def host_budgets(self, batch: RaggedBatch, budget: np.ndarray | None) -> np.ndarray | None:  # [B]
+        """`budgets` on the host, from the host's copies of the lengths (None when the host lacks either)."""
+        if budget is None or batch.host_lengths is None or batch.host_pad_lengths is None:
+            return None
+        if self.limit is None:
+            return budget
+        return np.minimum(budget, np.maximum(self.limit - 1 - (batch.host_lengths - batch.host_pad_lengths), 0))
+
     @property
     def capturable(self) -> bool:  # type: ignore[override]
         return self.inner.capturable
@@ -109,19 +118,32 @@ class Top1Proposer(Proposer):
         batch: RaggedBatch,
         max_draft_tokens: torch.Tensor,  # [B] the loop's budgets
         sampling: StepSampling,
-        trim: Callable[[Proposal], torch.Tensor] | None = None,
+        trim: Callable[[Proposal], torch.Tensor | np.ndarray] | None = None,
+        host_budget: np.ndarray | None = None,  # [B] the loop's budgets on the host, when it knows them
     ) -> Proposal:
-        """Drafts within each row's budget; `trim` (a schedule's, after drafting) may keep fewer of them."""
+        """Drafts within each row's budget; `trim` (a schedule's, after drafting) may keep fewer of them. With
+        `host_budget` nothing is read here: the most drafts a row may have is the host's (and, for an inner
+        proposer that `reads_host_budget`, so are the drafts' counts)."""
+        host = self.host_budgets(batch, host_budget) if self.static is None else None  # [B] or None
+        if host is not None and not host.any():  # no row drafts (the host knows): a plain step, nothing to clip
+            proposal = Proposal.empty(batch.batch_size, batch.device)
+            if trim is not None:
+                trim(proposal)  # the schedule sees every step's proposal
+            return proposal
         budget = self.budgets(batch, max_draft_tokens.clone())  # [B]
         if self.static is not None and trim is None:
             # Fixed shapes, no host sync: every row goes to the inner proposer (budget 0 drafts nothing), width k.
             return _clip(self.inner.propose(batch, budget, sampling), budget, width=self.static.k)
         speculating = budget > 0  # [B]
         num_speculating, width = 0, 0
-        if batch.batch_size:  # the step's one read of the budgets: how many rows draft, and the most drafts
+        if host is not None and batch.batch_size:
+            num_speculating, width = int((host > 0).sum()), int(host.max())
+        elif batch.batch_size:  # one read of the budgets: how many rows draft, and the most drafts
             num_speculating, width = torch.stack([speculating.sum(), budget.max()]).tolist()
         if num_speculating == 0:
             proposal = Proposal.empty(batch.batch_size, batch.device)
+        elif host is not None and self.inner.reads_host_budget:  # rows with budget 0 draft nothing: no sub-batch
+            proposal = self.inner.propose(batch, budget, sampling, width, host_budget=host)
         elif self.inner.stateless and self.static is None and num_speculating < batch.batch_size:
             # A sub-batch of the speculating rows (dynamic caches; static ones keep one shape: zero budgets)
             rows = speculating.nonzero().squeeze(1)  # [B']
@@ -131,8 +153,15 @@ class Top1Proposer(Proposer):
         else:
             proposal = self.inner.propose(batch, budget, sampling, width)
         if trim is not None:  # a schedule may keep fewer of the drafts it has seen (e.g. by their keys)
-            budget = torch.minimum(budget, trim(proposal))
-        proposal = _clip(proposal, budget)
+            kept = trim(proposal)  # [B] on the device, or on the host for a proposal with host counts
+            if not isinstance(kept, np.ndarray):
+                budget = torch.minimum(budget, kept)
+            elif (kept < proposal.host_num_draft_tokens).any():  # a cut: it goes to the device (one copy)
+                host = kept if host is None else np.minimum(host, kept)
+                budget = torch.minimum(budget, torch.from_numpy(kept).to(budget.device))
+        if proposal.host_num_draft_tokens is None:
+            host = None
+        proposal = _clip(proposal, budget, host_budget=host)
         if self.static is not None and proposal.draft_token_ids.shape[1]:  # a static verify: width 1 or 1 + k
             proposal = _clip(proposal, budget, width=self.static.k)
         return proposal
@@ -140,8 +169,12 @@ class Top1Proposer(Proposer):
     def commit(self, batch: RaggedBatch, num_accepted: torch.Tensor) -> None:
         self.inner.commit(batch, num_accepted)
 
-    def select_rows(self, keep: torch.Tensor) -> None:
-        self.inner.select_rows(keep)
+    def select_rows(self, keep: torch.Tensor, host_keep: np.ndarray | None = None) -> None:
+        """Rows `keep` stay; `host_keep` (the same on the host) goes to an inner proposer that `reads_host_budget`."""
+        if host_keep is not None and self.inner.reads_host_budget:
+            self.inner.select_rows(keep, host_keep=host_keep)
+        else:
+            self.inner.select_rows(keep)
 
     @staticmethod
     def _merge(batch_size: int, rows: torch.Tensor, sub: Proposal) -> Proposal:
@@ -159,7 +192,12 @@ class Top1Proposer(Proposer):
         if sub.draft_keys is not None:
             keys = torch.zeros(batch_size, dtype=torch.long, device=device)  # [B]
             keys[rows] = sub.draft_keys
-        return Proposal(draft_token_ids=ids, num_draft_tokens=num, draft_probs=probs, draft_keys=keys)
+        host_num = None
+        if sub.host_num_draft_tokens is not None:
+            host_num = np.zeros(batch_size, dtype=np.int64)
+            host_num[rows.cpu().numpy()] = sub.host_num_draft_tokens
+        return Proposal(draft_token_ids=ids, num_draft_tokens=num, draft_probs=probs, draft_keys=keys,
+                        host_num_draft_tokens=host_num)  # fmt: skip
 
 
 def _sub_batch(batch: RaggedBatch, rows: torch.Tensor) -> RaggedBatch:
@@ -172,11 +210,19 @@ def _sub_batch(batch: RaggedBatch, rows: torch.Tensor) -> RaggedBatch:
     )
 
 
-def _clip(proposal: Proposal, budget: torch.Tensor, width: int | None = None) -> Proposal:
+def _clip(
+    proposal: Proposal, budget: torch.Tensor, width: int | None = None, host_budget: np.ndarray | None = None
+) -> Proposal:
     """Enforce each row's budget ([B]): ids past it become -1, probabilities 0; trim to the longest row, or pad
-    or trim to a fixed `width` (static caches: no host sync)."""
+    or trim to a fixed `width` (static caches: no host sync). With the proposal's host counts and `host_budget`
+    the longest row is known on the host."""
     num = torch.minimum(proposal.num_draft_tokens, budget)  # [B]
-    if width is None:
+    host_num = None
+    if proposal.host_num_draft_tokens is not None and host_budget is not None:
+        host_num = np.minimum(proposal.host_num_draft_tokens, host_budget)  # [B]
+    if width is None and host_num is not None:
+        width = int(host_num.max()) if len(host_num) else 0
+    elif width is None:
         width = int(num.max().item()) if num.numel() else 0
     missing = max(0, width - proposal.draft_token_ids.shape[1])
     drafted = torch.arange(width, device=num.device) < num[:, None]  # [B, k]
@@ -184,4 +230,5 @@ def _clip(proposal: Proposal, budget: torch.Tensor, width: int | None = None) ->
     probs = proposal.draft_probs
     if probs is not None:
         probs = F.pad(probs, (0, 0, 0, missing))[:, :width] * drafted[:, :, None]  # [B, k, V]
-    return Proposal(draft_token_ids=ids, num_draft_tokens=num, draft_probs=probs, draft_keys=proposal.draft_keys)
+    return Proposal(draft_token_ids=ids, num_draft_tokens=num, draft_probs=probs, draft_keys=proposal.draft_keys,
+                    host_num_draft_tokens=host_num, host_draft_keys=proposal.host_draft_keys)  # fmt: skip
