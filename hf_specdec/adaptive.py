@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from hf_specdec.batch import RaggedBatch
+from hf_specdec.first_shapes import builds_plans_per_shape
 from hf_specdec.model_guard import model_serial
 from hf_specdec.proposers.base import Proposal
 from hf_specdec.ranks import RankAgreement
@@ -155,22 +156,24 @@ class MeasuredSteps:
 
     not_step_state = True  # shared by every call on a model (`step_graph.state_owners` skips it)
 
-    seconds: dict[int, float] = field(default_factory=dict)  # width -> seconds of a whole step (`recent`'s median)
+    seconds: dict[int, float] = field(default_factory=dict)  # width -> seconds of a whole step (`recent`'s least)
     samples: dict[int, int] = field(default_factory=dict)  # width -> steps measured
     recent: dict[int, list[float]] = field(default_factory=dict)  # width -> the latest `WINDOW` step times
     ratio: float = 1.0  # average of a plain (width 1) step over the calibrated 1-token forward
 
-    #: step times kept per width: their median is the width's cost, so one slow step (a garbage collection, a
-    #: graph's first launch, another process on the GPU) moves it not at all, and a lasting change within a few steps
+    #: step times kept per width. The least of them is the width's cost: what disturbs a step only adds to it (a
+    #: garbage collection, a graph's first launch, a kernel's first compile, a busy host). On an H100 whose host
+    #: was shared, eager plain steps took 22 ms, then 40 ms for a second, then 22 ms again: a drafting step
+    #: measured in such a second looked twice its cost next to plain steps measured outside it, and drafting
+    #: was switched off (the median of the recent steps followed the slow second). A lasting rise shows after
+    #: `WINDOW` steps, a fall at once.
     WINDOW = 7
 
     def add(self, width: int, seconds: float) -> None:
         recent = self.recent.setdefault(width, [])
         recent.append(seconds)
         del recent[: -self.WINDOW]
-        ordered = sorted(recent)
-        # With two samples the lower one: a first step of a kind often pays a one-time cost.
-        self.seconds[width] = ordered[(len(ordered) - 1) // 2]
+        self.seconds[width] = min(recent)
         self.samples[width] = self.samples.get(width, 0) + 1
 
     def forget(self, width: int) -> None:
@@ -336,8 +339,11 @@ class AdaptiveSchedule(SpeculationSchedule):
             every rank takes the first rank's cost table: the same choices, hence the same forwards on every rank.
     """
 
-    #: static caches: after this many plain steps in a row, one step drafts to re-measure its cost (`explore`)
+    #: after this many plain steps in a row, drafting steps' measured costs are forgotten (`explore`): on static
+    #: caches a re-probe drafts twice (about 1% of a useless draft's steps on an H100); on dynamic caches it drafts
+    #: only if the estimates say it pays, so it can come sooner
     REPROBE_AFTER = 128
+    REPROBE_AFTER_DYNAMIC = 32
     observes_on_host = True  # it learns on the host: the dynamic loop hands it the step's read
 
     def __init__(
@@ -373,6 +379,7 @@ class AdaptiveSchedule(SpeculationSchedule):
         self.propose_first = propose_first
         self.margin = margin
         self.time_verify: Callable[[int], float] | None = None
+        self.device = torch.device("cpu")  # the call's (`start`)
         self.keys = torch.zeros(0, dtype=torch.long)  # [B] (host) draft keys of the step in flight
         self.pending: _Step | None = None  # the step in flight
         self.first_step = True  # the call's first step is not measured
@@ -392,8 +399,10 @@ class AdaptiveSchedule(SpeculationSchedule):
         settled = known and (costs.complete(widths) or (costs.passes >= 2 and not costs.drafted_since_calibration))
         if self.time_verify is not None and not settled:
             # Static caches: the eager forwards timed here only seed the costs until captured steps are measured,
-            # so one pass (the model's first call) is enough.
-            costs = costs if costs is not None and costs.calibrated else StepCosts(max_passes=1 if self.static else 3)
+            # so one pass (the model's first call) is enough. So on a GPU, where a width's first forward is timed
+            # again (`SpeculativeLoop.time_verify`): the later passes only took the minimum of noisy timings.
+            one_pass = self.static or builds_plans_per_shape(self.device)
+            costs = costs if costs is not None and costs.calibrated else StepCosts(max_passes=1 if one_pass else 3)
             costs.calibrate(self.time_verify, widths)
         elif not known:
             nearby = [(abs(b - batch_size), b) for (key, b), c in self.memory.costs.items()
@@ -412,6 +421,7 @@ class AdaptiveSchedule(SpeculationSchedule):
         self.time_verify = time_verify
 
     def start(self, batch_size: int, device: torch.device) -> None:
+        self.device = device
         self.pending = None
         self.drafting_steps = 0
         self.prefilling = True
@@ -540,23 +550,31 @@ class AdaptiveSchedule(SpeculationSchedule):
         return budgets
 
     def explore(self, drafting: bool) -> bool | None:
-        """Static caches: the kind of step to run now to measure its cost (True: draft, False: plain), or None.
+        """The kind of step to run now to measure its cost (True: draft, False: plain), or None (as chosen).
 
-        Calibration times eager forwards, whose first runs on a GPU carry one-time costs and whose proportions are
-        not a captured step's; so each kind is trusted only once `plain_samples_needed` of its own steady steps
-        were timed at this batch size: drafting is tried first (until measured, however poor the drafts look),
-        then, after three drafting steps, plain steps. Costs are kept across calls: only a model's first call at a
-        batch size pays these few steps. After `REPROBE_AFTER` plain steps in a row (across calls) the drafting cost
-        is forgotten and measured anew, so that one measured too high (a contended GPU), or one that has since
-        fallen, does not keep drafting off for good: a useless draft then costs two drafting steps per
-        `REPROBE_AFTER` plain ones (about 1% on an H100 at batch 1)."""
-        if not self.plain_samples_needed or self.pending is None:
+        After `REPROBE_AFTER` plain steps in a row (`REPROBE_AFTER_DYNAMIC` on dynamic caches; across calls) what
+        drafting steps were measured to cost is forgotten, so that a cost measured too high (a contended GPU, a first run's kernel loads), or one that has
+        since fallen, does not keep drafting off for good: the next choices fall back on the calibrated forwards
+        and the drafting cost, which fades towards its prior during plain steps. Dynamic caches then draft only if
+        those estimates say it pays (a useless draft's statistics keep it off).
+
+        Static caches also explore: calibration times eager forwards, whose first runs on a GPU carry one-time
+        costs and whose proportions are not a captured step's; so each kind is trusted only once
+        `plain_samples_needed` of its own steady steps were timed at this batch size: drafting is tried first
+        (until measured, however poor the drafts look), then, after three drafting steps, plain steps. Costs are
+        kept across calls: only a model's first call at a batch size pays these few steps. After a re-probe's
+        forgetting a useless draft costs two drafting steps per `REPROBE_AFTER` plain ones (about 1% on an H100 at
+        batch 1)."""
+        if self.pending is None:
             return None
         costs = self.pending.costs
         costs.plain_streak = 0 if drafting else costs.plain_streak + 1
-        if costs.plain_streak > self.REPROBE_AFTER:  # re-measure drafting now and then: costs change, and err
+        if costs.plain_streak > (self.REPROBE_AFTER if self.static else self.REPROBE_AFTER_DYNAMIC):
             costs.plain_streak = 0
-            costs.at(self.pending.bucket).forget(self.max_k + 1)  # measured anew below, as in a first call
+            for width in range(2, self.max_k + 2):
+                costs.at(self.pending.bucket).forget(width)  # measured anew, as in a first call
+        if not self.plain_samples_needed:
+            return None
         samples = costs.at(self.pending.bucket).samples
         if not drafting and samples.get(self.max_k + 1, 0) < self.plain_samples_needed:
             self.drafting_steps += 1

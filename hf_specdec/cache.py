@@ -19,7 +19,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from hf_specdec import compat
+from hf_specdec import compat, first_shapes
 from hf_specdec.compat import crop_cache, is_recurrent_layer
 from hf_specdec.devices import PerDevice, select_cache_rows
 from hf_specdec.host_columns import HostColumns
@@ -85,6 +85,7 @@ class CacheView:
             width = int(host_num_new.max()) if batch_size else 0
         else:
             width = int(num_new.max().item()) if batch_size else 0
+        first_shapes.note(self.model, (batch_size, width), self.model_device)  # a GPU's first run: not timed
         offsets = torch.arange(width, device=device)  # [w]
         index = self.cached_lengths[:, None] + offsets  # [B, w] buffer index of each fed slot
         valid = offsets < num_new[:, None]  # [B, w]

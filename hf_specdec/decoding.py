@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from hf_specdec import graph_reuse
+from hf_specdec import first_shapes, graph_reuse
 from hf_specdec.batch import RaggedBatch
 from hf_specdec.cache import CacheView
 from hf_specdec.compat import experts_implementation
@@ -42,6 +42,7 @@ from hf_specdec.stopping import StopRules
 #: plain steps a captured static call runs back to back as one graph (one host read), once the schedule keeps
 #: drafting off (`SpeculativeLoop.plain_block`)
 PLAIN_BLOCK = 4
+
 
 def capture_blocker(
     sampling: StepSampling,
@@ -164,6 +165,8 @@ class SpeculativeLoop:
         )
         self.longest_room = max_length  # tokens the live row furthest from max_length may still get (host)
         self.step_read: StepRead | None = None  # the dynamic step's one host read (`read_step`)
+        #: a GPU's first dynamic call of this model at this batch size: its steps warm up, they are not timed
+        self.warming = self.static is None and first_shapes.note(model, ("call", batch.batch_size), batch.device)
         self.sequences = batch.token_ids[:, :max_length].clone()  # [B_total, max_length] final rows
         self.final_lengths = batch.lengths.clone()  # [B_total] length of each row when it left
         self.streamed = batch.prompt_width
@@ -277,8 +280,9 @@ class SpeculativeLoop:
             self.static is not None and self.static.compile_time_s != compiled_before
         ):
             # The first forward of a width on a GPU pays one-time costs (cuBLAS / attention plans for the shape:
-            # 0.9 s against 30 ms measured on an H100), or it compiled this width's graph: time the forward itself.
-            seconds = timed()
+            # 0.9 s against 30 ms measured on an H100), or it compiled this width's graph: time the forward again
+            # (on a GPU always: the second timing also halves the noise of a busy host).
+            seconds = min(seconds, timed())
         self.stats.calibration_time_s += time.perf_counter() - start
         return seconds
 
@@ -300,7 +304,10 @@ class SpeculativeLoop:
         for _ in range(self.block):
             self.stats.count_step(self.batch.batch_size - self.num_frozen)
         self.retire_finished()
-        self.budgets.after_step(measured=self.step_graph is None or self.step_graph.steady, steps=self.block)
+        # A step whose forwards ran a shape for the first time (a GPU's kernel loads) took longer than its kind will.
+        new_shape = first_shapes.take_new()
+        steady = not new_shape and not self.warming and (self.step_graph is None or self.step_graph.steady)
+        self.budgets.after_step(measured=steady, steps=self.block)
         self.proposer.after_step()
 
     def plan_step(self) -> Hashable | None:
@@ -347,6 +354,8 @@ class SpeculativeLoop:
         """One step's device work: propose → verify → accept → commit → roll back (no host read on static caches)."""
         proposal = self.propose()
         target_logits = self.verify(proposal)  # [B, w, V]
+        if self.static is None:  # the step's own kernels (acceptance, sampling) also run a first time per shape
+            first_shapes.note(self.model, ("step", *target_logits.shape[:2]), self.batch.device)
         stop_hits = None
         if self.exact is not None:
             output_ids, scores, stop_hits = self.exact.accept(self, proposal, target_logits)  # [B, w], [B, w, V]

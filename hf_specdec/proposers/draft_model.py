@@ -24,6 +24,7 @@ from transformers import PreTrainedModel
 from hf_specdec import placement
 from hf_specdec.batch import RaggedBatch
 from hf_specdec.cache import CacheView
+from hf_specdec.first_shapes import builds_plans_per_shape
 from hf_specdec.proposers import ProposerContext, register
 from hf_specdec.proposers.base import Proposal, Proposer, widest
 from hf_specdec.sampling import random as row_random
@@ -169,6 +170,8 @@ class DraftModelProposer(Proposer):
         host = None  # [B] the host's copy of `lengths` while it knows each row's drafts
         if host_budget is not None and threshold is None and not static and batch.host_lengths is not None:
             host = batch.host_lengths.copy() if self.view.host_columns() is not None else None
+        if host is not None:
+            self._catch_up_dynamic(batch, max_draft_tokens > 0, host, host_budget > 0)
         for j in range(k):
             drafting = (max_draft_tokens > j) & confident  # [B]
             if threshold is not None and j > 0 and not static and not bool(drafting.any()):
@@ -247,6 +250,26 @@ class DraftModelProposer(Proposer):
             self.view.forward(batch.token_ids, torch.where(servable, num_new, 0), width=width, eager=True)
         self.behind = min(self.behind, 2)
 
+    def _catch_up_dynamic(
+        self,
+        batch: RaggedBatch,
+        drafting: torch.Tensor,  # [B] bool: rows that draft this step
+        host_lengths: np.ndarray,  # [B] the batch's lengths on the host
+        host_drafting: np.ndarray,  # [B] bool: `drafting` on the host
+    ) -> None:
+        """Dynamic caches: a drafting row more than 2 tokens behind (after plain steps, or its prompt at the first
+        drafting step) first catches up in `catch_up_widths` forwards, leaving its newest token to the first draft
+        forward. The widths a draft meets are then a few fixed ones rather than every backlog: a forward's first run
+        at a new shape costs 50-1000 ms on a GPU (`first_shapes`)."""
+        assert self.view is not None and self.view.host is not None
+        behind = np.where(host_drafting, host_lengths - self.view.host.cached, 0)  # [B] tokens the draft lacks
+        if int(behind.max(initial=0)) <= 2:
+            return
+        for width in catch_up_widths(int(behind.max()) - 1):
+            host_new = np.where(host_drafting, np.clip(host_lengths - 1 - self.view.host.cached, 0, width), 0)
+            num_new = torch.where(drafting, (batch.lengths - 1 - self.view.cached_lengths).clamp(0, width), 0)
+            self.view.forward(batch.token_ids, num_new, host_num_new=host_new)
+
     def _servable(self, batch: RaggedBatch) -> torch.Tensor:  # [B] bool
         """Rows whose tokens all sit at positions the draft was built for (the others never draft again)."""
         if self.max_positions is None:
@@ -275,11 +298,6 @@ CATCH_UP_WIDTHS = (256, 128, 64, 32, 16, 8, 4, 2)
 
 #: per draft model, the catch-up widths its first calls ran once (`DraftModelProposer._warm_catch_up`)
 _WARM_WIDTHS: weakref.WeakKeyDictionary[PreTrainedModel, set[int]] = weakref.WeakKeyDictionary()
-
-
-def builds_plans_per_shape(device: torch.device) -> bool:
-    """Whether a forward's first run at a new shape costs far more than later ones (a GPU's kernel plans)."""
-    return device.type == "cuda"
 
 
 def catch_up_widths(backlog: int) -> list[int]:

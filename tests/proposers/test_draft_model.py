@@ -46,3 +46,42 @@ def test_catch_up_widths_are_warmed_once_and_change_nothing(monkeypatch, emulate
     assert {32, 16, 8, 4, 2} <= warmed and set(widths) >= warmed
     assert torch.equal(spec_generate(target, inputs, spec, cache_implementation="static", **gen), expected)
     assert warm_forwards[0] >= 5 and warm_forwards[1] == 0  # the second call warms nothing
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_dynamic_catch_up_after_plain_steps_runs_in_fixed_widths(monkeypatch, batch):
+    """Dynamic caches: a draft that sat out plain steps (or its whole prompt, at the first drafting step) catches up
+    in `catch_up_widths` forwards, so the widths it meets are a few fixed ones, and the output is plain's."""
+    from hf_specdec import adaptive
+    from hf_specdec.cache import CacheView
+
+    target = make_model("llama", seed=0)
+    draft = make_noisy_copy(target, noise=0.05)
+    draft_widths: list[int] = []
+    forward = CacheView.forward
+
+    def recording(self, token_ids, num_new, logits_to_keep=None, host_num_new=None):  # noqa: ANN001, ANN202
+        if self.model is draft:
+            draft_widths.append(int(host_num_new.max()) if host_num_new is not None else int(num_new.max()))
+        return forward(self, token_ids, num_new, logits_to_keep, host_num_new)
+
+    monkeypatch.setattr(CacheView, "forward", recording)
+    steps = iter(range(10_000))
+    choose = adaptive.AdaptiveSchedule._choose
+
+    def every_seventh(self, keys, num):  # noqa: ANN001, ANN202
+        chosen = choose(self, keys, num)
+        return num.clone() if next(steps) % 7 == 6 else torch.zeros_like(chosen)
+
+    monkeypatch.setattr(adaptive.AdaptiveSchedule, "_choose", every_seventh)
+    inputs = make_prompts(batch, seed=4, min_len=9, max_len=30)
+    gen = dict(max_new_tokens=40, do_sample=False, eos_token_id=None)
+    expected = target.generate(**inputs, **gen)
+    spec = hf_specdec.SpecDecoder(
+        draft_model=draft, num_speculative_tokens=3, num_speculative_tokens_schedule="adaptive"
+    )
+    out = spec_generate(target, inputs, spec, cache_implementation="dynamic", **gen)
+    assert torch.equal(out, expected)
+    assert spec.last_stats.num_draft_tokens > 0
+    assert set(draft_widths) <= {1, 2, *draft_model.CATCH_UP_WIDTHS}, draft_widths
+    assert set(draft_widths) & set(draft_model.CATCH_UP_WIDTHS[:-1]), draft_widths  # a wide catch-up ran
