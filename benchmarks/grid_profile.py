@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import time
 from collections import defaultdict
 from collections.abc import Iterator
-import json
 from typing import Any
 
 import torch

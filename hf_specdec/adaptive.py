@@ -339,11 +339,8 @@ class AdaptiveSchedule(SpeculationSchedule):
             every rank takes the first rank's cost table: the same choices, hence the same forwards on every rank.
     """
 
-    #: after this many plain steps in a row, drafting steps' measured costs are forgotten (`explore`): on static
-    #: caches a re-probe drafts twice (about 1% of a useless draft's steps on an H100); on dynamic caches it drafts
-    #: only if the estimates say it pays, so it can come sooner
+    #: after this many plain steps in a row, drafting steps' measured costs are forgotten (`explore`)
     REPROBE_AFTER = 128
-    REPROBE_AFTER_DYNAMIC = 32
     observes_on_host = True  # it learns on the host: the dynamic loop hands it the step's read
 
     def __init__(
@@ -552,8 +549,8 @@ class AdaptiveSchedule(SpeculationSchedule):
     def explore(self, drafting: bool) -> bool | None:
         """The kind of step to run now to measure its cost (True: draft, False: plain), or None (as chosen).
 
-        After `REPROBE_AFTER` plain steps in a row (`REPROBE_AFTER_DYNAMIC` on dynamic caches; across calls) what
-        drafting steps were measured to cost is forgotten, so that a cost measured too high (a contended GPU, a first run's kernel loads), or one that has
+        After `REPROBE_AFTER` plain steps in a row (across calls) what drafting steps were measured to cost is
+        forgotten, so that a cost measured too high (a contended GPU, a first run's kernel loads), or one that has
         since fallen, does not keep drafting off for good: the next choices fall back on the calibrated forwards
         and the drafting cost, which fades towards its prior during plain steps. Dynamic caches then draft only if
         those estimates say it pays (a useless draft's statistics keep it off).
@@ -569,7 +566,7 @@ class AdaptiveSchedule(SpeculationSchedule):
             return None
         costs = self.pending.costs
         costs.plain_streak = 0 if drafting else costs.plain_streak + 1
-        if costs.plain_streak > (self.REPROBE_AFTER if self.static else self.REPROBE_AFTER_DYNAMIC):
+        if costs.plain_streak > self.REPROBE_AFTER:  # re-measure drafting now and then: costs change, and err
             costs.plain_streak = 0
             for width in range(2, self.max_k + 2):
                 costs.at(self.pending.bucket).forget(width)  # measured anew, as in a first call

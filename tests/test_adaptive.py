@@ -525,7 +525,7 @@ def test_calibration_times_every_small_width_and_a_sparse_grid_above():
 
 def test_dynamic_drafting_costs_measured_too_high_are_measured_again(monkeypatch):
     """The dynamic path: every drafting width was measured far too slow (as a GPU's first runs of new widths were,
-    50-1000 ms, before `first_shapes` left such steps untimed), so drafting is off. After `REPROBE_AFTER_DYNAMIC` plain
+    50-1000 ms, before `first_shapes` left such steps untimed), so drafting is off. After `REPROBE_AFTER` plain
     steps in a row (across calls) what drafting steps were measured to cost is forgotten; the estimates (the
     calibrated forwards, the drafting cost faded towards its prior) say a good draft pays, so it drafts again and
     measures its true cost. Before, a width measured slow stayed so: on an H100 the eager path at alpha 0.8 drafted
@@ -552,5 +552,5 @@ def test_dynamic_drafting_costs_measured_too_high_are_measured_again(monkeypatch
             steps.add(width, 0.5)
     later = call() + call() + call()
     reprobe = next(i for i, drafts in enumerate(later) if drafts)
-    assert reprobe <= AdaptiveSchedule.REPROBE_AFTER_DYNAMIC + 3, later  # each call's prefill step is not a choice
+    assert reprobe <= AdaptiveSchedule.REPROBE_AFTER + 3, later  # each call's prefill step is not a choice
     assert sum(map(bool, later[reprobe + 10 :])) >= 0.9 * len(later[reprobe + 10 :]), later

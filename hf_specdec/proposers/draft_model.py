@@ -170,7 +170,7 @@ class DraftModelProposer(Proposer):
         host = None  # [B] the host's copy of `lengths` while it knows each row's drafts
         if host_budget is not None and threshold is None and not static and batch.host_lengths is not None:
             host = batch.host_lengths.copy() if self.view.host_columns() is not None else None
-        if host is not None:
+        if host is not None and builds_plans_per_shape(batch.device):
             self._catch_up_dynamic(batch, max_draft_tokens > 0, host, host_budget > 0)
         for j in range(k):
             drafting = (max_draft_tokens > j) & confident  # [B]
@@ -260,7 +260,8 @@ class DraftModelProposer(Proposer):
         """Dynamic caches: a drafting row more than 2 tokens behind (after plain steps, or its prompt at the first
         drafting step) first catches up in `catch_up_widths` forwards, leaving its newest token to the first draft
         forward. The widths a draft meets are then a few fixed ones rather than every backlog: a forward's first run
-        at a new shape costs 50-1000 ms on a GPU (`first_shapes`)."""
+        at a new shape costs 50-1000 ms on a GPU (`first_shapes`). Only there: elsewhere one forward of the backlog
+        costs less than several."""
         assert self.view is not None and self.view.host is not None
         behind = np.where(host_drafting, host_lengths - self.view.host.cached, 0)  # [B] tokens the draft lacks
         if int(behind.max(initial=0)) <= 2:

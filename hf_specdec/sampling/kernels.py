@@ -18,7 +18,7 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B", "K1", "S1"])
 def _stats_kernel(
     logits_ptr,  # [B, K+1, V] fp32/fp16/bf16, contiguous
     num_draft_ptr,  # [B] int64
@@ -86,7 +86,7 @@ def _stats_kernel(
         tl.store(part_s_ptr + out, tl.sum(acc, 1), mask=live_r)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B", "K", "S1", "S2"])
 def _race_kernel(
     logits_ptr,  # [B, K+1, V]
     draft_ids_ptr,  # [B, K] int64
@@ -221,7 +221,7 @@ def _race_kernel(
         tl.store(race_i_ptr + ioff + 1, best_pi, mask=rnd)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B", "K1", "S2"])
 def _finalize_kernel(
     greedy_ptr,  # [B] bool
     race_ptr,  # [B, S2, 3] fp32
@@ -278,7 +278,8 @@ def _variant(kernel, interpret: bool):
         return kernel
     key = (kernel.fn, interpret)
     if key not in _VARIANTS:
-        _VARIANTS[key] = InterpretedFunction(kernel.fn) if interpret else JITFunction(kernel.fn)
+        options = {"do_not_specialize": kernel.do_not_specialize} if hasattr(kernel, "do_not_specialize") else {}
+        _VARIANTS[key] = InterpretedFunction(kernel.fn) if interpret else JITFunction(kernel.fn, **options)
     return _VARIANTS[key]
 
 
@@ -299,6 +300,21 @@ def _split(V: int, block: int, programs: int, target: int, num_splits: int | Non
     num_splits = max(1, min(num_splits, triton.cdiv(V, block)))
     chunk = triton.cdiv(triton.cdiv(V, num_splits), block) * block
     return triton.cdiv(V, chunk), chunk
+
+
+def launch_sizes(V: int, K1: int, block_stats: int, block_race: int) -> dict[str, int]:
+    """The kernels' compile-time sizes: bounds that follow neither the batch nor the verify width. A new value of a
+    compile-time constant (or of a specialised integer) compiles the kernels again, about a second each on a GPU;
+    the dynamic path's batch (rows leave) and verify width (the adaptive schedule's budgets) change from step to
+    step, so sizes that followed them compiled new variants all through a call (on an H100 at batch 32 its
+    acceptance took 0.68 s a call against 0.01 s at a constant width). So the partial-result counts are bounded by
+    the most vocabulary chunks (their actual counts are runtime arguments, masked), the draft positions by 8 (or
+    the next power of two), and the batch, width and chunk counts are not specialised (`do_not_specialize`)."""
+    return {
+        "KP": max(8, triton.next_power_of_2(K1)),
+        "SP1": triton.next_power_of_2(triton.cdiv(V, block_stats)),
+        "SP2": triton.next_power_of_2(triton.cdiv(V, block_race)),
+    }
 
 
 def _check(name: str, t: torch.Tensor, shape: tuple[int, ...], device: torch.device) -> None:
@@ -383,6 +399,7 @@ def rejection_sample_triton(
     race_i = work[3 * n1 + 3 * n2 : 3 * n1 + 5 * n2].view(B, s2, 2)
     stop = work[3 * n1 + 5 * n2 :]
     has_temp = temperature is not None
+    sizes = launch_sizes(V, K1, bs, br)
     warps = {} if interpret else {"num_warps": 8}
     _variant(_stats_kernel, interpret)[(nb * K1, s1)](
         logits, nd, greedy, temp, part_m, part_s, part_i, B, V, K1, s1, chunk1,
@@ -391,10 +408,10 @@ def rejection_sample_triton(
     _variant(_race_kernel, interpret)[(nb, s2)](
         logits, ids, nd, probs, greedy, unif, expo, temp, part_m, part_s, part_i, race, race_i, stop, out,
         B, V, K, s1, s2, chunk2, HAS_PROBS=draft_probs is not None, HAS_TEMP=has_temp, ROWS=rows,
-        KP=triton.next_power_of_2(K1), SP1=triton.next_power_of_2(s1), BLOCK=br, **warps,
+        KP=sizes["KP"], SP1=sizes["SP1"], BLOCK=br, **warps,
     )  # fmt: skip
     fin = {} if interpret else {"num_warps": 1}
     _variant(_finalize_kernel, interpret)[(nb,)](
-        greedy, race, race_i, stop, out, B, K1, s2, ROWS=rows, SP2=triton.next_power_of_2(s2), **fin
+        greedy, race, race_i, stop, out, B, K1, s2, ROWS=rows, SP2=sizes["SP2"], **fin
     )
     return out

@@ -50,10 +50,13 @@ def test_catch_up_widths_are_warmed_once_and_change_nothing(monkeypatch, emulate
 
 @pytest.mark.parametrize("batch", [1, 3])
 def test_dynamic_catch_up_after_plain_steps_runs_in_fixed_widths(monkeypatch, batch):
-    """Dynamic caches: a draft that sat out plain steps (or its whole prompt, at the first drafting step) catches up
-    in `catch_up_widths` forwards, so the widths it meets are a few fixed ones, and the output is plain's."""
+    """Dynamic caches where first runs cost more (a GPU; forced here): a draft that sat out plain steps (or its whole
+    prompt, at the first drafting step) catches up in `catch_up_widths` forwards, so the widths it meets are a few
+    fixed ones, and the output is plain's."""
     from hf_specdec import adaptive
     from hf_specdec.cache import CacheView
+
+    monkeypatch.setattr(draft_model, "builds_plans_per_shape", lambda device: True)
 
     target = make_model("llama", seed=0)
     draft = make_noisy_copy(target, noise=0.05)

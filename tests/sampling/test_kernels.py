@@ -243,6 +243,23 @@ def test_shape_errors_name_the_input() -> None:
         rejection_sample_triton(**inputs)
 
 
+def test_compile_time_sizes_follow_neither_the_batch_nor_the_verify_width() -> None:
+    """A new compile-time size compiles the kernels again (about a second on a GPU); the dynamic path's batch and
+    verify width change from step to step. Each kernel's integer arguments for them are not specialised either."""
+    from hf_specdec.sampling import kernels
+
+    for V in (7, 1000, 32_000, 128_256):
+        bs = min(2048, 1 << (V - 1).bit_length())
+        assert len({tuple(kernels.launch_sizes(V, k1, bs, bs).items()) for k1 in range(1, 9)}) == 1
+    not_specialised = {
+        kernels._stats_kernel: {"B", "K1", "S1"},
+        kernels._race_kernel: {"B", "K", "S1", "S2"},
+        kernels._finalize_kernel: {"B", "K1", "S2"},
+    }
+    for kernel, names in not_specialised.items():
+        assert set(getattr(kernel, "do_not_specialize", None) or names) == names  # the interpreter keeps no list
+
+
 @in_subprocess
 def test_kernels_in_subprocess() -> None:
     rerun_interpreted(__file__, timeout=900)
