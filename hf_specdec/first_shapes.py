@@ -19,7 +19,7 @@ import torch
 
 __all__ = ["builds_plans_per_shape", "note", "take_new"]
 
-_SEEN: weakref.WeakKeyDictionary[torch.nn.Module, set[tuple[int, ...]]] = weakref.WeakKeyDictionary()
+_SEEN: weakref.WeakKeyDictionary[torch.nn.Module, set[tuple[object, ...]]] = weakref.WeakKeyDictionary()
 _LOCAL = threading.local()
 
 
