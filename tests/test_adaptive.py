@@ -120,6 +120,23 @@ def test_adaptive_schedule_times_at_most_three_forwards_per_call(drafting):
     assert timed == ([0, 0, 0, 1, 1, 1, 2, 2, 2] if drafting else [0, 0, 0, 1, 1, 1])  # 3 widths x 3 or 2 timings
 
 
+def test_on_a_gpu_the_first_dynamic_call_times_every_width_once(monkeypatch):
+    """Where a width's first forward is timed again anyway (a GPU; forced here), the model's first dynamic call
+    times each width once and later calls time none: the first call warms up, the later ones should not pay."""
+    monkeypatch.setattr(adaptive, "builds_plans_per_shape", lambda device: True)
+
+    class Model:
+        pass
+
+    model, timed = Model(), []
+    for call in range(4):
+        schedule = AdaptiveSchedule(4, model, "draft:0", propose_first=False)
+        schedule.start(1, torch.device("cpu"))
+        schedule.calibrate(lambda width, call=call: timed.append((call, width)) or 1.0)
+        schedule.costs(batch_size=1).record(3, 64, 1.0, drafts_separately=True)  # the call drafted
+    assert timed == [(0, width) for width in (1, 2, 5, 3, 4)], timed
+
+
 def test_step_costs_measure_widths_and_scale_the_others():
     costs = StepCosts(forward={1: 1.0, 2: 1.5, 3: 1.2}, smoothing=1.0, min_samples=2)
     costs.record(1, 64, 1.2, drafts_separately=False)  # plain steps take 20% more than calibrated
