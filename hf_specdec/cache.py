@@ -82,7 +82,7 @@ class CacheView:
         batch_size = token_ids.shape[0]
         device = token_ids.device
         if host_num_new is not None:
-            width = int(host_num_new.max()) if batch_size else 0
+            width = int(np.max(host_num_new)) if batch_size else 0
         else:
             width = int(num_new.max().item()) if batch_size else 0
         first_shapes.note(self.model, (batch_size, width), self.model_device)  # a GPU's first run: not timed

@@ -33,7 +33,7 @@ class HostColumns:
 
     def width(self) -> int:
         """Columns up to the last one any row holds a real entry in (the crop width)."""
-        return int(self.last.max()) + 1 if len(self.last) else 0
+        return int(np.max(self.last)) + 1 if len(self.last) else 0
 
     def real(self) -> np.ndarray:  # [B]
         """Real columns per row: every buffer index in [pad, cached) has exactly one."""

@@ -264,9 +264,10 @@ class DraftModelProposer(Proposer):
         costs less than several."""
         assert self.view is not None and self.view.host is not None
         behind = np.where(host_drafting, host_lengths - self.view.host.cached, 0)  # [B] tokens the draft lacks
-        if int(behind.max(initial=0)) <= 2:
+        most = int(np.max(behind, initial=0))
+        if most <= 2:
             return
-        for width in catch_up_widths(int(behind.max()) - 1):
+        for width in catch_up_widths(most - 1):
             host_new = np.where(host_drafting, np.clip(host_lengths - 1 - self.view.host.cached, 0, width), 0)
             num_new = torch.where(drafting, (batch.lengths - 1 - self.view.cached_lengths).clamp(0, width), 0)
             self.view.forward(batch.token_ids, num_new, host_num_new=host_new)

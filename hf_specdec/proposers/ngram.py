@@ -169,7 +169,7 @@ class NgramProposer(Proposer):
             self.prompt_lookup_max,
             self.num_speculative_tokens,
         )  # [B, k], [B]
-        k_used = int(counts.max())
+        k_used = int(np.max(counts))
         draft_token_ids = torch.from_numpy(drafts[:, :k_used].copy()).to(device)  # [B, k_used]
         num_draft_tokens = torch.from_numpy(counts).to(device)  # [B]
         draft_keys = torch.from_numpy(match_lengths).to(device)  # [B] the matched n: longer matches are surer
@@ -190,7 +190,7 @@ class NgramProposer(Proposer):
             self.prompt_lookup_max,
             self.num_speculative_tokens,
         )  # [B, k], [B], [B]
-        k_used = int(counts.max())
+        k_used = int(np.max(counts))
         packed = torch.from_numpy(np.concatenate([drafts[:, :k_used], counts[:, None], match_lengths[:, None]], 1))
         packed = packed.to(batch.device)  # [B, k_used + 2]
         return Proposal(

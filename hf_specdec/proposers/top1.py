@@ -137,7 +137,7 @@ class Top1Proposer(Proposer):
         speculating = budget > 0  # [B]
         num_speculating, width = 0, 0
         if host is not None and batch.batch_size:
-            num_speculating, width = int((host > 0).sum()), int(host.max())
+            num_speculating, width = int((host > 0).sum()), int(np.max(host))
         elif batch.batch_size:  # one read of the budgets: how many rows draft, and the most drafts
             num_speculating, width = torch.stack([speculating.sum(), budget.max()]).tolist()
         if num_speculating == 0:
@@ -221,7 +221,7 @@ def _clip(
     if proposal.host_num_draft_tokens is not None and host_budget is not None:
         host_num = np.minimum(proposal.host_num_draft_tokens, host_budget)  # [B]
     if width is None and host_num is not None:
-        width = int(host_num.max()) if len(host_num) else 0
+        width = int(np.max(host_num)) if len(host_num) else 0
     elif width is None:
         width = int(num.max().item()) if num.numel() else 0
     missing = max(0, width - proposal.draft_token_ids.shape[1])
