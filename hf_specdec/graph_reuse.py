@@ -17,8 +17,9 @@ it capture anew and drop the stale entry. A call during which a model changed ke
 Reuse is on by default (`HF_SPECDEC_REUSE_GRAPHS=0` turns it off): a call that adopts an entry skips the eager
 warm-up step and the capture of each step kind, about a third of a 64-token call at batch 1 on an H100. What an entry
 holds stays allocated on the GPU (the static caches, the state tensors and the graphs' memory pools), so entries are
-kept only while the tensors they hold total at most `MAX_KEPT_BYTES` per model: small batches, whose calls pay the
-most for capturing, are kept; a batch of 128 rows at 8B scale (gigabytes of static cache) is not. Its first H100
+kept only while the tensors they hold total at most `kept_budget` per model (2 GiB, or 5% of a larger GPU's memory):
+small batches, whose calls pay the most for capturing, are kept; a batch of 128 rows at 8B scale (gigabytes of
+static cache) is not. Its first H100
 runs hit a device-side index assert in a replay (a step kind captured after a catch-up forward without its state
 put home first); the CPU emulation of CUDA graphs (tests/emulated_graphs.py) reproduced and fixed it
 (`step_graph.StepGraph.run`), and the H100 runs since replay every adopted graph exactly.
@@ -43,6 +44,10 @@ REUSE_ENV = "HF_SPECDEC_REUSE_GRAPHS"
 MAX_ENTRIES = 4
 #: The most bytes of tensors and caches the kept entries of one model may hold (their graphs' pools come on top).
 MAX_KEPT_BYTES = 2 * 2**30
+#: ... or this share of the GPU's memory, where that is more (4 GB on an 80 GB H100). With 2 GiB, sampled calls at
+#: batch 32 with an 8B target (static caches, logits and draws) were not kept: each captured anew, 0.08-0.12 s of a
+#: 0.93 s call on an H100
+KEPT_SHARE = 0.05
 
 Slot = tuple[object, str, Any]  # (owner, attribute, value)
 
@@ -161,8 +166,8 @@ def drop(model: object, entry: Entry) -> None:
 
 
 def keep(model: object, entry: Entry) -> None:
-    """Keep a call's entry for later calls (and free it); the oldest go past `MAX_ENTRIES` or `MAX_KEPT_BYTES`, a
-    duplicate is dropped, and an entry larger than `MAX_KEPT_BYTES` is not kept."""
+    """Keep a call's entry for later calls (and free it); the oldest go past `MAX_ENTRIES` or `kept_budget`, a
+    duplicate is dropped, and an entry larger than `kept_budget` is not kept."""
     if not enabled():
         return
     with _LOCK:
@@ -170,12 +175,20 @@ def keep(model: object, entry: Entry) -> None:
         kept = entries(model, create=True)
         if entry in kept:
             return
-        if any(e.signature == entry.signature for e in kept) or entry_bytes(entry) > MAX_KEPT_BYTES:
+        budget = kept_budget(entry.device)
+        if any(e.signature == entry.signature for e in kept) or entry_bytes(entry) > budget:
             return  # a concurrent call kept one for this signature first, or it holds too much memory
         kept.append(entry)
         del kept[:-MAX_ENTRIES]
-        while sum(entry_bytes(e) for e in kept) > MAX_KEPT_BYTES:
+        while sum(entry_bytes(e) for e in kept) > budget:
             del kept[0]
+
+
+def kept_budget(device: torch.device) -> int:
+    """The most bytes one model's kept entries may hold on `device` (`MAX_KEPT_BYTES`, or `KEPT_SHARE` of a GPU)."""
+    if device.type != "cuda":
+        return MAX_KEPT_BYTES
+    return max(MAX_KEPT_BYTES, int(KEPT_SHARE * torch.cuda.get_device_properties(device).total_memory))
 
 
 def entry_bytes(entry: Entry) -> int:

@@ -258,3 +258,16 @@ def test_kept_graphs_are_adopted_only_by_calls_with_the_same_bad_words(monkeypat
         assert torch.equal(out, expected), words
     assert adopted == [False, True, False]
     graph_reuse.clear(target)
+
+
+def test_the_kept_budget_grows_with_a_large_gpu(monkeypatch):
+    """2 GiB per model, or 5% of a GPU's memory where that is more (4 GB on an 80 GB card)."""
+
+    class Properties:
+        total_memory = 80 * 10**9
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Properties())
+    assert graph_reuse.kept_budget(torch.device("cpu")) == graph_reuse.MAX_KEPT_BYTES
+    assert graph_reuse.kept_budget(torch.device("cuda", 0)) == 4 * 10**9
+    Properties.total_memory = 16 * 10**9  # a small card: the floor
+    assert graph_reuse.kept_budget(torch.device("cuda", 0)) == graph_reuse.MAX_KEPT_BYTES
