@@ -145,11 +145,12 @@ class Top1Proposer(Proposer):
         elif host is not None and self.inner.reads_host_budget:  # rows with budget 0 draft nothing: no sub-batch
             proposal = self.inner.propose(batch, budget, sampling, width, host_budget=host)
         elif self.inner.stateless and self.static is None and num_speculating < batch.batch_size:
-            # A sub-batch of the speculating rows (dynamic caches; static ones keep one shape: zero budgets)
-            rows = speculating.nonzero().squeeze(1)  # [B']
-            proposal = self._merge(
-                batch.batch_size, rows, self.inner.propose(_sub_batch(batch, rows), budget[rows], sampling, width)
-            )
+            # A sub-batch of the speculating rows (dynamic caches; static ones keep one shape: zero budgets); with the
+            # host's budgets the rows are the host's (copied to the device, nothing read)
+            host_rows = np.flatnonzero(host > 0) if host is not None else speculating.nonzero().squeeze(1).cpu().numpy()
+            rows = torch.from_numpy(host_rows).to(batch.device)  # [B']
+            sub = self.inner.propose(_sub_batch(batch, rows), budget[rows], sampling, width)
+            proposal = self._merge(batch.batch_size, rows, host_rows, sub)
         else:
             proposal = self.inner.propose(batch, budget, sampling, width)
         if trim is not None:  # a schedule may keep fewer of the drafts it has seen (e.g. by their keys)
@@ -177,7 +178,12 @@ class Top1Proposer(Proposer):
             self.inner.select_rows(keep)
 
     @staticmethod
-    def _merge(batch_size: int, rows: torch.Tensor, sub: Proposal) -> Proposal:
+    def _merge(
+        batch_size: int,
+        rows: torch.Tensor,  # [B'] the sub-batch's rows
+        host_rows: np.ndarray,  # [B'] the same on the host
+        sub: Proposal,
+    ) -> Proposal:
         """Scatter a sub-batch's proposal back into the full batch (-1 ids, zero probabilities elsewhere)."""
         device = sub.draft_token_ids.device
         width = sub.draft_token_ids.shape[1]
@@ -195,7 +201,7 @@ class Top1Proposer(Proposer):
         host_num = None
         if sub.host_num_draft_tokens is not None:
             host_num = np.zeros(batch_size, dtype=np.int64)
-            host_num[rows.cpu().numpy()] = sub.host_num_draft_tokens
+            host_num[host_rows] = sub.host_num_draft_tokens
         return Proposal(draft_token_ids=ids, num_draft_tokens=num, draft_probs=probs, draft_keys=keys,
                         host_num_draft_tokens=host_num)  # fmt: skip
 
