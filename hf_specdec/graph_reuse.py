@@ -19,10 +19,9 @@ warm-up step and the capture of each step kind, about a third of a 64-token call
 holds stays allocated on the GPU (the static caches, the state tensors and the graphs' memory pools), so entries are
 kept only while the tensors they hold total at most `kept_budget` per model (2 GiB, or 5% of a larger GPU's memory):
 small batches, whose calls pay the most for capturing, are kept; a batch of 128 rows at 8B scale (gigabytes of
-static cache) is not. Its first H100
-runs hit a device-side index assert in a replay (a step kind captured after a catch-up forward without its state
-put home first); the CPU emulation of CUDA graphs (tests/emulated_graphs.py) reproduced and fixed it
-(`step_graph.StepGraph.run`), and the H100 runs since replay every adopted graph exactly.
+static cache) is not. Its first H100 runs hit a device-side index assert in a replay (a step kind captured after a
+catch-up forward without its state put home first); the CPU emulation of CUDA graphs (tests/emulated_graphs.py)
+reproduced and fixed it (`step_graph.StepGraph.run`), and the H100 runs since replay every adopted graph exactly.
 """
 
 from __future__ import annotations
