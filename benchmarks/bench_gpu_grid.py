@@ -314,6 +314,12 @@ def _compiled_graphs() -> int:
 
 
 def selected(part: str, names: list[str] | None) -> list[Group]:
+    unknown = sorted(set(names or ()) - {g.name for g in GRID})
+    if unknown:  # e.g. the output path after `--groups`, which takes every word that follows it
+        raise SystemExit(
+            f"--groups {unknown} names no group of GRID ({', '.join(g.name for g in GRID)}); put the output path "
+            "before --groups (`bench_gpu_grid.py out.json --groups 8b-tuned ...`)."
+        )
     groups = [g for g in GRID if part == "all" or g.part == part]
     return [g for g in groups if not names or g.name in names]
 
@@ -370,6 +376,7 @@ def main() -> None:
     parser.add_argument("--spread", type=int, default=0, metavar="N", help="with --profile: N fresh calls, each timed")
     parser.add_argument("--estimate", action="store_true", help="print the estimated H100 seconds per group")
     args = parser.parse_args()
+    selected(args.part, args.groups)  # a bad --groups fails before any model work
     if args.plot:
         from benchmarks.grid_report import plot
 
