@@ -44,8 +44,8 @@ MAX_ENTRIES = 4
 #: The most bytes of tensors and caches the kept entries of one model may hold (their graphs' pools come on top).
 MAX_KEPT_BYTES = 2 * 2**30
 #: ... or this share of the GPU's memory, where that is more (4 GB on an 80 GB H100). With 2 GiB, sampled calls at
-#: batch 32 with an 8B target (static caches, logits and draws) were not kept: each captured anew, 0.08-0.12 s of a
-#: 0.93 s call on an H100
+#: batch 32 with an 8B target found no kept entry and captured anew, 0.08-0.12 s of a 0.93 s call on an H100 (by
+#: our estimate their static caches, logits and draws pass 2 GiB; not verified on the GPU)
 KEPT_SHARE = 0.05
 
 Slot = tuple[object, str, Any]  # (owner, attribute, value)
