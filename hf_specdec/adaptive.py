@@ -523,10 +523,15 @@ class AdaptiveSchedule(SpeculationSchedule):
         if self.pending is not None:
             self.pending.steps = steps
             self.pending.costs.plain_streak += extra
-        self.row_accepted *= self.row_decay**extra
-        self.row_expected *= self.row_decay**extra
-        self.row_variance *= self.row_decay**extra
+        self._fade_rows(extra)
         self.stats.idle(extra)
+
+    def _fade_rows(self, steps: int) -> None:
+        """Each row's record fades by `row_decay` per step (whether the row stands doubted does not)."""
+        fade = self.row_decay**steps
+        self.row_accepted *= fade
+        self.row_expected *= fade
+        self.row_variance *= fade
 
     def trim(self, proposal: Proposal) -> torch.Tensor | np.ndarray:  # [B]
         """The drafts each row keeps: on the device, or on the host (numpy) for a proposal with host counts."""
@@ -614,9 +619,7 @@ class AdaptiveSchedule(SpeculationSchedule):
             self.keys = draft_keys.to("cpu", copy=True)  # a host copy, also on the CPU (the step rewrites its own)
         drafted, accepted = num_draft_tokens.cpu(), num_accepted.cpu()
         self.stats.record(self.keys, drafted, accepted)
-        self.row_accepted *= self.row_decay
-        self.row_expected *= self.row_decay
-        self.row_variance *= self.row_decay
+        self._fade_rows(1)
         if self.expected is not None:
             mean, square = self.expected.gather(2, drafted[None, :, None].expand(2, -1, 1))[:, :, 0]  # [B] each
             self.row_accepted += accepted.float()
