@@ -21,6 +21,7 @@ from transformers.generation.stopping_criteria import StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput
 
 from hf_specdec import compat, model_guard
+from hf_specdec.attention_backends import without_cudnn_attention
 from hf_specdec.call_checks import HANDLED_MODEL_KWARGS, check_speculation_type
 from hf_specdec.config import SpecDecoder
 from hf_specdec.decoding import LoopOutput, SpeculativeLoop
@@ -74,6 +75,7 @@ def generate(
     `hf_specdec.install()`, which forwards the usual names).
     """
     with contextlib.ExitStack() as setup, model_guard.read_once():  # each model is read once while the call is set up
+        setup.enter_context(without_cudnn_attention(input_ids.device))  # its plans are built per shape, on the host
         plan = CallPlan.build(
             model,
             input_ids,

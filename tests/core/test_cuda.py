@@ -35,3 +35,16 @@ def test_sampling_on_cuda_uses_the_kernels_and_is_seeded() -> None:
         for _ in range(2)
     ]
     assert torch.equal(outs[0], outs[1])
+
+
+def test_calls_run_without_cudnn_attention_and_put_the_setting_back() -> None:
+    """cuDNN's SDPA builds a plan per new shape on the host (20 s first calls, `hf_specdec.attention_backends`)."""
+    target = make_model("llama", seed=0).cuda()
+    inputs = {name: t.cuda() for name, t in make_prompts(2, seed=4).items()}
+    seen: list[bool] = []
+    spec = hf_specdec.SpecDecoder(method="ngram", on_step=lambda record: seen.append(
+        torch.backends.cuda.cudnn_sdp_enabled()))  # fmt: skip
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    spec_generate(target, inputs, spec, max_new_tokens=8, do_sample=False, eos_token_id=None)
+    assert seen and not any(seen)
+    assert torch.backends.cuda.cudnn_sdp_enabled()

@@ -1,0 +1,57 @@
+"""Which SDPA kernels hf_specdec's calls on a GPU may use: every backend the user left on except cuDNN's.
+
+cuDNN's attention builds an execution plan for each new pair of query and key lengths, and the build runs on the
+host. Speculative forwards meet many such pairs: verify widths 1..k+1 against a cache that grows every step, drafts
+and catch-ups of varying widths. Measured on an H100 (torch 2.11, an 8B-shaped bf16 Llama target with sdpa, the
+eager dynamic path, B = 32, alpha 0.8, 64 new tokens, in a fresh process): with cuDNN, the first two calls took
+20 s and 9.1 s, SDPA holding 88% of the host's time, and the next ones 1.5-1.6 s; without it the first call took
+5.1 s and the next ones 1.7-1.8 s. A user whose prompts differ in length meets new pairs on every call, so the first
+calls' figure is the one that user gets. Plain `generate` keeps cuDNN (its decode forwards have one query token).
+
+The switch is process-wide (torch keeps SDPA's backend flags global), so it is counted: the first call in flight
+turns cuDNN's attention off and the last one to end puts the user's setting back, whatever order threads end in.
+Another thread's work that runs meanwhile (a plain `generate`, say) uses the other kernels too. A user who turned
+every other backend off keeps cuDNN: then nothing changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+import torch
+
+__all__ = ["without_cudnn_attention"]
+
+_LOCK = threading.Lock()
+_HOLDERS = 0
+_SAVED: bool | None = None  # the cuDNN flag as the first holder found it
+
+
+def _others_enabled() -> bool:
+    backends = torch.backends.cuda
+    return backends.flash_sdp_enabled() or backends.mem_efficient_sdp_enabled() or backends.math_sdp_enabled()
+
+
+@contextlib.contextmanager
+def without_cudnn_attention(device: torch.device) -> Iterator[None]:
+    """cuDNN's SDPA kernels off while the block runs on a CUDA `device` (nothing happens on other devices)."""
+    global _HOLDERS, _SAVED
+    if device.type != "cuda":
+        yield
+        return
+    with _LOCK:
+        if _HOLDERS == 0:
+            _SAVED = torch.backends.cuda.cudnn_sdp_enabled()
+            if _others_enabled():
+                torch.backends.cuda.enable_cudnn_sdp(False)
+        _HOLDERS += 1
+    try:
+        yield
+    finally:
+        with _LOCK:
+            _HOLDERS -= 1
+            if _HOLDERS == 0:
+                torch.backends.cuda.enable_cudnn_sdp(bool(_SAVED))
+                _SAVED = None
