@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_specdec.sampling.kernels import _variant, triton_interprets
+from hf_specdec.sampling.kernels import _variant, aligned, triton_interprets
 
 BLOCK = 1024
 
@@ -69,8 +69,9 @@ def draws_triton(
     if out.numel() == 0:
         return out
     on_device = isinstance(step, torch.Tensor)
+    seeds = aligned(seeds.contiguous())  # one compiled variant (`kernels.aligned`)
     kernel = _variant(_draws_kernel, seeds.device.type != "cuda" or triton_interprets())
     grid = (seeds.shape[0], triton.cdiv(n, BLOCK))
-    step_ptr = step.to(seeds.device) if on_device else seeds  # (seeds: any pointer, never read)
+    step_ptr = aligned(step.to(seeds.device)) if on_device else seeds  # (seeds: any pointer, never read)
     kernel[grid](seeds, step_ptr, step_key, stream_key, out, n, on_device, exponential, BLOCK=BLOCK)
     return out

@@ -260,6 +260,38 @@ def test_compile_time_sizes_follow_neither_the_batch_nor_the_verify_width() -> N
         assert set(getattr(kernel, "do_not_specialize", None) or names) == names  # the interpreter keeps no list
 
 
+def test_aligned_copies_only_what_starts_off_a_16_byte_boundary() -> None:
+    from hf_specdec.sampling.kernels import aligned
+
+    words = torch.arange(12, dtype=torch.int32)
+    assert aligned(words) is words
+    view = words[1:]  # 4 bytes in
+    copy = aligned(view)
+    assert copy.data_ptr() % 16 == 0 and torch.equal(copy, view)
+
+
+@pytest.mark.requires_cuda
+def test_batches_widths_and_offsets_compile_no_new_variants() -> None:
+    """Triton compiles a kernel once per pattern of 16-byte-aligned pointers: the dynamic path's batch sizes, verify
+    widths and sliced inputs must reuse the first call's variants (each new one cost about a second on an H100)."""
+    from hf_specdec.sampling import kernels
+
+    def variants() -> int:
+        return sum(len(next(iter(k.device_caches.values()))[0]) for k in (
+            kernels._stats_kernel, kernels._race_kernel, kernels._finalize_kernel))  # fmt: skip
+
+    def run(B: int, k: int, offset: int) -> None:
+        inputs = make_inputs(B + offset, k, 4096, dtype=torch.bfloat16, seed=B * 10 + k)  # one row per program
+        inputs = {name: t.cuda()[offset:] if isinstance(t, torch.Tensor) else t for name, t in inputs.items()}
+        rejection_sample_triton(**inputs)
+
+    run(32, 4, 0)
+    first = variants()
+    for B, k, offset in ((31, 3, 0), (25, 1, 1), (18, 2, 1), (7, 4, 0), (3, 1, 1), (1, 2, 0), (30, 4, 1)):
+        run(B, k, offset)
+    assert variants() == first
+
+
 @in_subprocess
 def test_kernels_in_subprocess() -> None:
     rerun_interpreted(__file__, timeout=900)
