@@ -66,9 +66,8 @@ def main() -> None:
             after = torch.cuda.memory_stats()
             grown = {key: after.get(key, 0) - before.get(key, 0) for key in ("num_alloc_retries", "num_device_alloc",
                                                                                 "num_device_free")}  # fmt: skip
-            stats = hf_specdec.SpecDecoder.__dict__.get("last_stats")
             print(f"round {i} ours_dynamic: {seconds:.2f} s, allocator {grown}, reserved "
-                  f"{after.get('reserved_bytes.all.current', 0) / 2**30:.1f} GiB {stats or ''}", flush=True)  # fmt: skip
+                  f"{after.get('reserved_bytes.all.current', 0) / 2**30:.1f} GiB", flush=True)  # fmt: skip
             if seconds > 2.5:
                 text = io.StringIO()
                 pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(22)
