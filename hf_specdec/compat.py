@@ -71,6 +71,25 @@ def get_cache(kwargs: dict[str, Any]) -> Any:
     return None
 
 
+@functools.cache
+def _generate_marks_callers_caches() -> bool:
+    """Whether `generate` marks a cache the caller passed (`_is_user_defined`, transformers 5.17 on): then a cache
+    in its model_kwargs without the mark is the one it made itself."""
+    try:
+        source = inspect.getsource(generation_utils.GenerationMixin._prepare_cache_for_generation)
+    except (AttributeError, OSError, TypeError):
+        return False
+    return "_is_user_defined" in source
+
+
+def caller_passed_cache(cache: object) -> bool:
+    """Whether `cache`, from `generate`'s model_kwargs, is a past_key_values the caller passed (plain `generate`
+    fills it in place). Before transformers 5.17 nothing tells it from the cache `generate` makes: assumed so."""
+    if cache is None:
+        return False
+    return bool(getattr(cache, "_is_user_defined", False)) or not _generate_marks_callers_caches()
+
+
 def output_cache(outputs: Any) -> Any:
     """The cache a model or generate output carries: its field `cache` on transformers >= 5.24, `past_key_values`
     before."""

@@ -17,6 +17,7 @@ import torch
 from transformers import DynamicCache, GenerationConfig, PreTrainedModel
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+from hf_specdec import compat
 from hf_specdec.cache import CacheView
 from hf_specdec.compat import DUMMY_LAYER
 from hf_specdec.devices import PerDevice
@@ -223,6 +224,7 @@ def build_handoff(
             "past_key_values, or use a draft model or prompt lookup."
         )
     # generate creates a cache of its own when the caller passed none; fill it only when the output returns it.
-    if not past and not config.return_dict_in_generate and not getattr(cache, "_is_user_defined", True):
+    # (Filling it took 5% of a call at batch 4 on the CPU: rows that finished early are fed their padding.)
+    if not past and not config.return_dict_in_generate and not compat.caller_passed_cache(cache):
         return None
     return CacheHandoff(cache, past)

@@ -178,3 +178,27 @@ def test_bad_continuations_are_refused_before_any_model_work(llama):
     with pytest.raises(ValueError, match="pass the whole conversation"):
         short = {k: v[:, :3] for k, v in inputs.items()}
         spec_generate(llama, short, spec, past_key_values=cache, max_new_tokens=2)
+
+
+def test_a_cache_nobody_reads_is_not_filled_but_a_callers_is(llama, monkeypatch):
+    """generate makes a cache of its own when the caller passes none; without return_dict_in_generate nobody sees
+    it, so it is not filled (feeding early rows' padding took 5% of a call at batch 4). A cache the caller passes
+    (transformers marks it) is filled like plain's, returned or not."""
+    from hf_specdec import continuation
+
+    handed_back = []
+    hand_back = continuation.CacheHandoff.hand_back
+    monkeypatch.setattr(continuation.CacheHandoff, "hand_back",
+                        lambda self, *a: handed_back.append(1) or hand_back(self, *a))  # fmt: skip
+    inputs = make_prompts(3, seed=8)
+    settings = dict(max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None)
+    expected = llama.generate(**inputs, **settings)
+    spec = hf_specdec.SpecDecoder(method="ngram", num_speculative_tokens=3)
+    assert torch.equal(spec_generate(llama, inputs, spec, **settings), expected)
+    assert handed_back == []
+    theirs, ours = DynamicCache(), DynamicCache()
+    llama.generate(**inputs, **settings, past_key_values=theirs)
+    assert torch.equal(spec_generate(llama, inputs, spec, **settings, past_key_values=ours), expected)
+    assert handed_back == [1]
+    mask = (torch.arange(expected.shape[1] - 1) >= (inputs["attention_mask"] == 0).sum(1)[:, None]).long()
+    assert_same_cache(ours, theirs, mask)
