@@ -147,8 +147,8 @@ class Top1Proposer(Proposer):
         elif self.inner.stateless and self.static is None and num_speculating < batch.batch_size:
             # A sub-batch of the speculating rows (dynamic caches; static ones keep one shape: zero budgets); with the
             # host's budgets the rows are the host's (copied to the device, nothing read)
-            host_rows = np.flatnonzero(host > 0) if host is not None else speculating.nonzero().squeeze(1).cpu().numpy()
-            rows = torch.from_numpy(host_rows).to(batch.device)  # [B']
+            host_rows = np.flatnonzero(host > 0) if host is not None else None  # [B']
+            rows = torch.from_numpy(host_rows).to(batch.device) if host is not None else speculating.nonzero()[:, 0]
             sub = self.inner.propose(_sub_batch(batch, rows), budget[rows], sampling, width)
             proposal = self._merge(batch.batch_size, rows, host_rows, sub)
         else:
@@ -181,7 +181,7 @@ class Top1Proposer(Proposer):
     def _merge(
         batch_size: int,
         rows: torch.Tensor,  # [B'] the sub-batch's rows
-        host_rows: np.ndarray,  # [B'] the same on the host
+        host_rows: np.ndarray | None,  # [B'] the same on the host, when the host has them
         sub: Proposal,
     ) -> Proposal:
         """Scatter a sub-batch's proposal back into the full batch (-1 ids, zero probabilities elsewhere)."""
@@ -201,7 +201,7 @@ class Top1Proposer(Proposer):
         host_num = None
         if sub.host_num_draft_tokens is not None:
             host_num = np.zeros(batch_size, dtype=np.int64)
-            host_num[host_rows] = sub.host_num_draft_tokens
+            host_num[host_rows if host_rows is not None else rows.cpu().numpy()] = sub.host_num_draft_tokens
         return Proposal(draft_token_ids=ids, num_draft_tokens=num, draft_probs=probs, draft_keys=keys,
                         host_num_draft_tokens=host_num)  # fmt: skip
 

@@ -318,10 +318,11 @@ def launch_sizes(V: int, K1: int, block_stats: int, block_race: int) -> dict[str
 
 
 def aligned(t: torch.Tensor) -> torch.Tensor:
-    """`t` (contiguous), or a copy of it when it does not start on a 16-byte boundary. Triton compiles a kernel once
+    """`t` contiguous, copied when it does not start on a 16-byte boundary. Triton compiles a kernel once
     per pattern of 16-byte-aligned pointer arguments, so views at offsets that follow the batch or the verify width
     (a workspace's parts, a caller's slices) compiled new variants through a call: on an H100, greedy calls on the
     dynamic path at batch 32 spent 3 s of their first 5-8 s compiling."""
+    t = t.contiguous()
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
@@ -371,14 +372,14 @@ def rejection_sample_triton(
     out = torch.empty((B, K1), dtype=torch.int64, device=dev)
     if B == 0:
         return out
-    logits = aligned(target_logits.contiguous())
-    ids = aligned(draft_token_ids.to(torch.int64).contiguous())
-    nd = aligned(num_draft_tokens.to(torch.int64).contiguous())
-    greedy = aligned(is_greedy.to(torch.bool).contiguous())
-    unif = aligned(uniforms.to(torch.float32).contiguous())
-    expo = aligned(exponentials.to(torch.float32).contiguous())
-    probs = aligned(draft_probs.contiguous()) if draft_probs is not None else logits  # dummy pointer when absent
-    temp = aligned(temperature.to(torch.float32).contiguous()) if temperature is not None else unif
+    logits = aligned(target_logits)
+    ids = aligned(draft_token_ids.to(torch.int64))
+    nd = aligned(num_draft_tokens.to(torch.int64))
+    greedy = aligned(is_greedy.to(torch.bool))
+    unif = aligned(uniforms.to(torch.float32))
+    expo = aligned(exponentials.to(torch.float32))
+    probs = aligned(draft_probs) if draft_probs is not None else logits  # dummy pointer when absent
+    temp = aligned(temperature.to(torch.float32)) if temperature is not None else unif
 
     interpret = triton_interprets()
     if dev.type != "cuda" and not interpret:

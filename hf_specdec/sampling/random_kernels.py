@@ -69,7 +69,7 @@ def draws_triton(
     if out.numel() == 0:
         return out
     on_device = isinstance(step, torch.Tensor)
-    seeds = aligned(seeds.contiguous())  # one compiled variant (`kernels.aligned`)
+    seeds = aligned(seeds)  # one compiled variant (`kernels.aligned`)
     kernel = _variant(_draws_kernel, seeds.device.type != "cuda" or triton_interprets())
     grid = (seeds.shape[0], triton.cdiv(n, BLOCK))
     step_ptr = aligned(step.to(seeds.device)) if on_device else seeds  # (seeds: any pointer, never read)
