@@ -26,6 +26,7 @@ their keys; for a draft model it is taken before drafting, from the one key's st
 from __future__ import annotations
 
 import math
+import statistics
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -208,6 +209,9 @@ class StepCosts:
     draft_cost: float = 0.0  # seconds per draft token, for proposers that draft only when asked to
     draft_prior: float = 0.0  # what `draft_cost` is taken to be before drafting was measured, and fades back to
     draft_measured: bool = False  # a drafting step was measured: `draft_cost` is no longer the prior alone
+    #: the latest measured drafting costs per draft (`MeasuredSteps.WINDOW` of them): `draft_cost` fades no lower
+    #: than half their median (`record`)
+    draft_samples: list[float] = field(default_factory=list)
     #: a step wider than 1 was measured since the last calibration: more widths are worth timing (a draft that is
     #: never used, e.g. a useless one, pays calibration in its first call only)
     drafted_since_calibration: bool = False
@@ -269,9 +273,17 @@ class StepCosts:
         self.drafted_since_calibration |= width > 1
         if width == 1:
             steps.ratio += self.smoothing * (seconds / self.forward[1] - steps.ratio)
-            self.draft_cost = self.draft_prior + (self.draft_cost - self.draft_prior) * self.idle_decay
+            # Fading lets drafting be re-tried after a cost measured too high, but not below half of what drafting
+            # was measured to cost: the prior is the draft's share of the target's parameters, while an eager draft
+            # on a GPU costs its kernel launches (an 8B target's re-probes at acceptance 0 drafted 22% of a call's
+            # steps with the cost faded to the prior).
+            floor = 0.5 * statistics.median(self.draft_samples) if self.draft_samples else 0.0
+            target = max(self.draft_prior, floor)
+            self.draft_cost = target + (self.draft_cost - target) * self.idle_decay
         elif drafts_separately:
-            self.draft_cost += self.smoothing * (max(seconds - scaled, 0.0) / (width - 1) - self.draft_cost)
+            sample = max(seconds - scaled, 0.0) / (width - 1)
+            self.draft_samples = [*self.draft_samples, sample][-MeasuredSteps.WINDOW :]
+            self.draft_cost += self.smoothing * (sample - self.draft_cost)
             self.draft_measured = True
         steps.add(width, seconds)
 
@@ -343,6 +355,11 @@ class AdaptiveSchedule(SpeculationSchedule):
 
     #: after this many plain steps in a row, drafting steps' measured costs are forgotten (`explore`)
     REPROBE_AFTER = 128
+    #: dynamic caches, a draft model: a choice to draft nothing holds this many steps before the next choice. What
+    #: moves the choice (row records fading, the drafting cost fading to its prior, idle keys drifting back) moves a
+    #: few percent per step, and choosing costs about 60 host operations: a step of a small target on the CPU, or
+    #: of an eager 8B one on a GPU, is bound by the host's operations.
+    PLAIN_HOLD = 4
     observes_on_host = True  # it learns on the host: the dynamic loop hands it the step's read
 
     def __init__(
@@ -376,6 +393,8 @@ class AdaptiveSchedule(SpeculationSchedule):
         #: plain and drafting steps: each kind's cost is taken from its own steady steps (`explore_plain`).
         self.plain_samples_needed = 2 if static else 0
         self.drafting_steps = 0  # steps of this call that drafted (static: plain steps are explored after a few)
+        self.held = 0  # steps the latest choice to draft nothing still holds (`PLAIN_HOLD`)
+        self.idle_steps = 0  # plain steps whose per-step fading is not applied yet (`_settle`)
         self.propose_first = propose_first
         self.margin = margin
         self.time_verify: Callable[[int], float] | None = None
@@ -429,8 +448,10 @@ class AdaptiveSchedule(SpeculationSchedule):
         self.time_verify = time_verify
 
     def start(self, batch_size: int, device: torch.device) -> None:
+        self._settle()
         self.device = device
         self.pending = None
+        self.held = 0
         self.drafting_steps = 0
         self.prefilling = True
         self.row_accepted = torch.zeros(batch_size)
@@ -486,6 +507,12 @@ class AdaptiveSchedule(SpeculationSchedule):
                 clip=not self.static,
             )
         self.first_step = self.pending is None
+        if self.held and step is not None and step.costs.plain_streak < self.REPROBE_AFTER:
+            # the latest choice drafts nothing and still holds (until a re-probe is due): no new choice
+            self.held -= 1
+            step.costs.plain_streak += 1  # as `explore` counts every plain step
+            self.pending = _Step(step.costs, step.bucket, time.perf_counter())
+            return torch.zeros(batch.batch_size, dtype=torch.long)
         costs = self.costs(batch.batch_size)
         self.time_verify = None  # calibrate once per call, at the call's first batch size
         if self.static:  # a static step attends over the whole static length: its cost does not follow the context
@@ -523,8 +550,18 @@ class AdaptiveSchedule(SpeculationSchedule):
         if self.pending is not None:
             self.pending.steps = steps
             self.pending.costs.plain_streak += extra
-        self._fade_rows(extra)
-        self.stats.idle(extra)
+        self.idle_steps += extra
+
+    def _settle(self) -> None:
+        """Apply the fading owed for plain steps (`idle_steps`): each row's record and every key's counts fade per
+        step, which plain steps leave to the next choice or observation, in one operation each."""
+        if self.idle_steps:
+            self._fade_rows(self.idle_steps)
+            self.stats.idle(self.idle_steps)
+            self.idle_steps = 0
+
+    def finish(self) -> None:
+        self._settle()  # the keys' counts are shared with later calls
 
     def _fade_rows(self, steps: int) -> None:
         """Each row's record fades by `row_decay` per step (whether the row stands doubted does not)."""
@@ -549,15 +586,19 @@ class AdaptiveSchedule(SpeculationSchedule):
         return chosen.numpy() if host is not None else chosen.to(proposal.num_draft_tokens.device)
 
     def select_rows(self, keep: torch.Tensor) -> None:
+        self._settle()
+        self.held = 0  # other rows: choose anew
         keep = keep.cpu()
         self.row_accepted, self.row_expected = self.row_accepted[keep], self.row_expected[keep]
         self.row_variance, self.row_doubted = self.row_variance[keep], self.row_doubted[keep]
 
     def _choose(self, keys: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:  # [B] host
         self.expected = None
+        self.held = 0
         if not bool((num_drafts > 0).any()):
             return torch.zeros_like(num_drafts)
         assert self.pending is not None, "budgets() runs before each step's choice"
+        self._settle()
         table = self.pending.costs.table(self.max_k + 1, self.pending.bucket)  # [K + 1]
         if self.agreement is not None:  # tensor parallelism: ranks' timings differ, their choices must not
             table = self.agreement.agree(table)
@@ -576,6 +617,8 @@ class AdaptiveSchedule(SpeculationSchedule):
         explore = self.explore(drafting)
         if explore is not None:
             return num_drafts.clone() if explore else torch.zeros_like(budgets)
+        if not drafting and not self.static and not self.propose_first and self.pending.costs.plain_streak:
+            self.held = self.PLAIN_HOLD - 1  # (not right after a re-probe's forgetting: the next step chooses anew)
         return budgets
 
     def explore(self, drafting: bool) -> bool | None:
@@ -618,6 +661,13 @@ class AdaptiveSchedule(SpeculationSchedule):
         if draft_keys is not None:  # a planned step's drafts came with keys after the choice (static prompt lookup)
             self.keys = draft_keys.to("cpu", copy=True)  # a host copy, also on the CPU (the step rewrites its own)
         drafted, accepted = num_draft_tokens.cpu(), num_accepted.cpu()
+        if not drafted.any():  # a plain step: it only fades what is kept, which waits for `_settle`
+            self.idle_steps += 1
+            self.expected = None  # (its zero drafts were expected to accept nothing)
+            if self.pending is not None:
+                self.pending.width = 1
+            return
+        self._settle()
         self.stats.record(self.keys, drafted, accepted)
         self._fade_rows(1)
         if self.expected is not None:

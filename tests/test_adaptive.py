@@ -165,7 +165,10 @@ def test_step_costs_learn_a_draft_models_cost_per_draft():
     assert costs.step_time(2, 64) == pytest.approx(1.1 + 0.2)  # unmeasured: forward plus one draft
     for _ in range(100):  # plain steps only: the drafting cost fades, so speculation is tried again
         costs.record(1, 64, 1.0, drafts_separately=True)
-    assert costs.draft_cost < 0.1
+    assert costs.draft_cost < 0.14
+    for _ in range(1000):  # but not below half of what drafting was measured to cost (the prior is 0 here)
+        costs.record(1, 64, 1.0, drafts_separately=True)
+    assert costs.draft_cost == pytest.approx(0.1, rel=1e-3)
 
 
 def test_step_costs_are_kept_per_context_bucket():

@@ -203,8 +203,8 @@ def test_use_mtp_routes_after_install_and_stock_generate_is_untouched(mtp_target
     hf_specdec.install()
     try:
         out = model.generate(
-            **inputs, max_new_tokens=8, do_sample=False, use_mtp=True, num_assistant_tokens_schedule="constant"
-        )  # drafts every step, whatever the timings
+            **inputs, max_new_tokens=8, do_sample=False, use_mtp=True, num_assistant_tokens=NUM_MTP_LAYERS
+        )  # a constant k (HF's meaning of num_assistant_tokens): drafts every step, whatever the timings
     finally:
         hf_specdec.uninstall()
     assert torch.equal(out, expected)
