@@ -119,6 +119,27 @@ class CacheView:
         self.cached_lengths = self.cached_lengths + num_new
         return logits.float()
 
+    def forward_newest(self, token_ids: torch.Tensor) -> torch.Tensor | None:  # [B, 1, V] float32, or None
+        """Feed each row's newest token (the buffer index at its cached length) as a plain decoding step does, and
+        keep it. The host's copy of the columns says that every such token is real (past the left padding), so the
+        slots, positions and mask take a handful of operations where `forward` builds room for drafts; nothing is
+        logged for a rollback, since nothing fed here is rolled back. None when the host has no copy (call
+        `forward`)."""
+        host = self.host
+        if host is None or type(self).forward is not CacheView.forward or not np.all(host.cached >= host.pad):
+            return None
+        first_shapes.note(self.model, (token_ids.shape[0], 1), self.model_device)
+        index = self.cached_lengths[:, None]  # [B, 1] buffer index of each row's newest token
+        input_ids = token_ids.gather(1, index)  # [B, 1]
+        position_ids = index - self.pad_lengths[:, None]  # [B, 1]
+        keys = torch.cat([self.column_index, index], dim=1)  # [B, W + 1]
+        mask = None if self.aligned else self._attention_mask(index, keys, all_real=True)
+        logits = self.run_model(input_ids, mask, position_ids, 0)
+        host.kept_newest(self.width)
+        self.column_index = keys
+        self.cached_lengths = self.cached_lengths + 1
+        return logits.float()
+
     def run_model(
         self,
         input_ids: torch.Tensor,  # [B, w]
@@ -164,6 +185,7 @@ class CacheView:
         queries: torch.Tensor,  # [B, w] buffer index of each query, -1 for unused slots
         keys: torch.Tensor,  # [B, W] buffer index held by each cache column, -1 for holes
         own_columns: torch.Tensor | None = None,  # [w] the column each query writes; default: the last w
+        all_real: bool = False,  # every query is a real token whose own column is a key: no slot needs its own
     ) -> torch.Tensor | dict[str, torch.Tensor]:
         """Explicit masks [B, 1, w, W]: a query sees the real keys at or before its own index.
 
@@ -175,20 +197,21 @@ class CacheView:
             return (keys >= 0).long()  # [B, W]
         q = queries[:, :, None]  # [B, w, 1]
         k = keys[:, None, :]  # [B, 1, W]
-        allowed = (k >= 0) & (k <= q) & (q >= 0)  # [B, w, W]
-        # Every query sees at least its own column, so that unused slots never produce NaNs.
-        width = queries.shape[1]
-        if own_columns is None:
-            own_columns = keys.shape[1] - width + torch.arange(width, device=keys.device)
-        own = torch.arange(keys.shape[1], device=keys.device)[None, None, :] == own_columns[None, :, None]  # [1, w, W]
-        masks = {"full_attention": allowed | own}
+        allowed = (k >= 0) & (k <= q)  # [B, w, W]
+        if not all_real:
+            allowed &= q >= 0
+        masks = {"full_attention": allowed}
         if self.sliding_window is not None:
-            masks["sliding_attention"] = (allowed & (q - k < self.sliding_window)) | own
+            masks["sliding_attention"] = allowed & (q - k < self.sliding_window)
         if self.chunk_size is not None:  # a query sees the keys of its own chunk of positions (as HF's overlay)
             pad = self.pad_lengths[:, None, None]
-            masks["chunked_attention"] = (
-                allowed & ((q - pad) // self.chunk_size == (k - pad) // self.chunk_size)
-            ) | own
+            masks["chunked_attention"] = allowed & ((q - pad) // self.chunk_size == (k - pad) // self.chunk_size)
+        if not all_real:  # every query sees at least its own column, so that unused slots never produce NaNs
+            width = queries.shape[1]
+            if own_columns is None:
+                own_columns = keys.shape[1] - width + torch.arange(width, device=keys.device)
+            own = torch.arange(keys.shape[1], device=keys.device)[None, None, :] == own_columns[None, :, None]  # [1,w,W]
+            masks = {name: mask | own for name, mask in masks.items()}
         masks = {name: self._to_model_format(m[:, None]) for name, m in masks.items()}
         if self.layer_types is not None:
             return {name: masks.get(name) for name in set(self.layer_types)}  # linear_attention: set by forward

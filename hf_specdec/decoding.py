@@ -70,6 +70,12 @@ def capture_blocker(
     return None
 
 
+def _drafts_nothing(proposal: Proposal) -> bool:
+    """Whether the host knows that no row drafts in `proposal`."""
+    host = proposal.host_num_draft_tokens
+    return host is not None and not host.any()
+
+
 @dataclass
 class StepRead:
     """What a dynamic step's one host read brought back, per row (numpy int64 [B])."""
@@ -152,6 +158,11 @@ class SpeculativeLoop:
                 self.step_graph = StepGraph(
                     self, self.device_steps, description, static.capture_steps, model, signature, hint, guard
                 )
+        #: steps in which no row drafts run as `plain_step`: dynamic caches, with nothing that reads each position
+        #: (the exact path's processors and criteria, output scores or logits, `on_step`)
+        self.plain_steps_allowed = (
+            static is None and exact is None and not (output_scores or output_logits) and on_step is None
+        )
         self.handoff = handoff  # adopts a filled past_key_values; keeps leaving rows' caches to hand back
         if handoff is not None:
             handoff.adopt(self.target)
@@ -353,6 +364,8 @@ class SpeculativeLoop:
     def device_step(self) -> None:
         """One step's device work: propose → verify → accept → commit → roll back (no host read on static caches)."""
         proposal = self.propose()
+        if self.plain_steps_allowed and self.prefilled and _drafts_nothing(proposal) and self.plain_step(proposal):
+            return
         target_logits = self.verify(proposal)  # [B, w, V]
         if self.static is None:  # the step's own kernels (acceptance, sampling) also run a first time per shape
             first_shapes.note(self.model, ("step", *target_logits.shape[:2]), self.batch.device)
@@ -368,6 +381,30 @@ class SpeculativeLoop:
         self.rollback(num_accepted)
         self.sampling.advance()  # the next step draws anew (a device counter: replays advance it too)
 
+    def plain_step(self, proposal: Proposal) -> bool:
+        """A dynamic step in which no row drafts, as the host knows before its forward: plain decoding's step, in
+        about as many device operations (each row's newest token through the target, one token out and its stop
+        checked; the host knows that each row keeps one token and accepted nothing). The rest of the loop's step
+        (slots for drafts, acceptance, the commit's cut, the rollback) is there for drafts: on an 8B target at
+        batch 1 on a GPU, where an eager step is bound by the host's operations, it cost 8-16% of plain's speed
+        when drafting was off. False when the target's view cannot feed it this way (`CacheView.forward_newest`):
+        the step then runs whole."""
+        batch = self.batch
+        logits = self.target.forward_newest(batch.token_ids)  # [B, 1, V]
+        if logits is None:
+            return False
+        first_shapes.note(self.model, ("step", *logits.shape[:2]), batch.device)
+        output_ids = self.accept(proposal, self.score(proposal, logits))  # [B, 1]
+        batch.token_ids.scatter_(1, batch.lengths[:, None], output_ids)  # within capacity: live rows < max_length
+        self.stop_rules.apply_newest(batch, output_ids[:, 0])
+        batch.lengths = batch.lengths + 1
+        self.step_read = self.read_step(proposal)
+        none = proposal.host_num_draft_tokens  # [B] zeros (host)
+        self.budgets.accepted(proposal.num_draft_tokens, (none, none))
+        self.proposer.commit(batch, proposal.num_draft_tokens)  # nothing accepted
+        self.sampling.advance()
+        return True
+
     def _host_cached(self) -> np.ndarray | None:  # [B]
         """Dynamic caches: the target's cached lengths as the host keeps them (None when it does not)."""
         if self.static is not None or self.batch.host_lengths is None:
@@ -380,18 +417,24 @@ class SpeculativeLoop:
         return {} if self.static is None else {"width": width}
 
     def propose(self) -> Proposal:
-        room = self.max_length - self.batch.lengths - 1  # [B] drafts that still fit before max_length
-        max_draft = room.clamp(min=0, max=self.k).masked_fill(self.frozen, 0)  # [B]
+        batch = self.batch
         if self.budgets.planned_width == 0:  # planned: no row drafts this step
-            proposal = Proposal.empty(self.batch.batch_size, self.batch.device)
+            proposal = Proposal.empty(batch.batch_size, batch.device)
         else:
-            chosen = None  # dynamic caches: the budgets on the host too, from its copy of the lengths
-            if self.static is None and self.batch.host_lengths is not None:
-                host_room = np.clip(self.max_length - self.batch.host_lengths - 1, 0, self.k)  # [B]
-                chosen = self.budgets.host_budgets(self.batch, max_draft, host_room)
-            budget, host_budget = chosen if chosen is not None else (self.budgets.budgets(self.batch, max_draft), None)
+            host_budget = None  # dynamic caches: the budgets on the host too, from its copy of the lengths
+            if self.static is None and batch.host_lengths is not None:
+                host_room = np.clip(self.max_length - batch.host_lengths - 1, 0, self.k)  # [B]
+                host_budget = self.budgets.host_budgets(batch, host_room)
+            if host_budget is None:
+                room = self.max_length - batch.lengths - 1  # [B] drafts that still fit before max_length
+                max_draft = room.clamp(min=0, max=self.k).masked_fill(self.frozen, 0)  # [B]
+                budget = self.budgets.budgets(batch, max_draft)
+            elif host_budget.any():
+                budget = torch.from_numpy(host_budget).to(batch.device)  # the step's one copy to the device
+            else:  # no row drafts (as when drafting does not pay): nothing to copy
+                budget = torch.zeros(batch.batch_size, dtype=torch.long, device=batch.device)
             proposal = self.proposer.propose(
-                self.batch, budget, self.sampling, trim=self.budgets.trim, host_budget=host_budget
+                batch, budget, self.sampling, trim=self.budgets.trim, host_budget=host_budget
             )
         self.budgets.proposed(proposal)
         # Drafts go into the scratch space after each row's tokens: processors and stops read them.
@@ -428,6 +471,8 @@ class SpeculativeLoop:
         return self.target.forward(self.batch.token_ids, num_new, **fed)
 
     def score(self, proposal: Proposal, target_logits: torch.Tensor) -> torch.Tensor:  # [B, 1 + k, V]
+        if not self.sampling.pure:  # no processors: the logits are the scores
+            return target_logits
         width = target_logits.shape[1]
         offsets = torch.arange(width, device=target_logits.device)  # [w]
         prefix_lengths = self.batch.lengths[:, None] + offsets  # [B, w]
@@ -438,7 +483,8 @@ class SpeculativeLoop:
         batch_size, width, vocab = scores.shape
         device = scores.device
         if width == 1 and not self.sampling.do_sample:  # no drafts, greedy: the sampler's bonus token is the argmax
-            return scores[:, 0].argmax(-1, keepdim=True).masked_fill(self.frozen[:, None], -1)  # [B, 1]
+            output_ids = scores[:, 0].argmax(-1, keepdim=True)  # [B, 1]
+            return output_ids if self.static is None else output_ids.masked_fill(self.frozen[:, None], -1)
         if self.sampling.do_sample:
             uniforms = self.sampling.draw_uniforms(width - 1)  # [B, k]
             exponentials = self.sampling.draw_exponentials(row_random.STREAM_RESIDUAL, vocab)  # [B, V]
@@ -458,6 +504,8 @@ class SpeculativeLoop:
             check_values=False,  # the counts are in 0..k by construction, and greediness is known on the host:
             all_greedy=not self.sampling.do_sample,  # no host read in the step
         )
+        if self.static is None:  # rows leave a dynamic batch: none is frozen
+            return output_ids
         return output_ids.masked_fill(self.frozen[:, None], -1)  # frozen rows emit nothing
 
     def commit(
@@ -489,27 +537,42 @@ class SpeculativeLoop:
         self.stats.record_step(proposal.num_draft_tokens, num_accepted)
         return num_kept, num_accepted
 
-    def read_step(self, proposal: Proposal, num_kept: torch.Tensor, num_accepted: torch.Tensor) -> StepRead:
+    def read_step(
+        self, proposal: Proposal, num_kept: torch.Tensor | None = None, num_accepted: torch.Tensor | None = None
+    ) -> StepRead:
         """A dynamic step's one host read: per row the tokens kept, drafts accepted and verified, whether it is done
         (and its first stop for host criteria), with the rows a proposer that drafts on the host asks for
-        (`Proposer.host_rows`). The host's copy of the lengths advances by what it read."""
+        (`Proposer.host_rows`). The host's copy of the lengths advances by what it read. Without `num_kept` the step
+        was a `plain_step`: the host knows that each row kept one token and drafted nothing, and reads the rest."""
         batch = self.batch
-        done = self.stop_rules.done(batch) | (batch.lengths >= self.max_length)  # [B]
-        parts = [num_kept, num_accepted, proposal.num_draft_tokens, done.long()]
+        plain = num_kept is None
+        done = self.stop_rules.done(batch)  # [B]
+        if not plain:  # (a plain step's lengths are known on the host)
+            done = done | (batch.lengths >= self.max_length)
+        parts = [done.long()] if plain else [num_kept, num_accepted, proposal.num_draft_tokens, done.long()]
         host_criteria = self.stop_rules.host is not None
         if host_criteria:
             parts.append(self.stop_rules.stop_lengths.to(batch.device))
         proposer_rows = self.proposer.host_rows(batch)  # [r, B] or None
-        stacked = torch.stack(parts)  # [4 or 5, B]
         if proposer_rows is not None:
-            stacked = torch.cat([stacked, proposer_rows.long()])
+            parts.append(proposer_rows.long())
+        stacked = parts[0][None] if len(parts) == 1 else torch.cat([p.reshape(-1, batch.batch_size) for p in parts])
         values = stacked.cpu().numpy()  # [n, B]: the read
-        kept, accepted, drafted, done_rows = values[:4]
-        batch.advance_host(kept)
+        if plain:
+            none = proposal.host_num_draft_tokens  # [B] zeros
+            kept, accepted, drafted = np.ones_like(none), none, none
+            batch.advance_host(kept)
+            done_rows = values[0].astype(bool) | (batch.host_lengths >= self.max_length)
+            rest = values[1:]
+        else:
+            kept, accepted, drafted, done_rows = values[:4]
+            batch.advance_host(kept)
+            done_rows = done_rows.astype(bool)
+            rest = values[4:]
+        stops = rest[0] if host_criteria else None
         if proposer_rows is not None:
-            self.proposer.read_host_rows(batch.host_lengths, values[len(parts) :])
-        stops = values[4] if host_criteria else None
-        return StepRead(kept, accepted, drafted, done_rows.astype(bool), stops)
+            self.proposer.read_host_rows(batch.host_lengths, rest[int(host_criteria) :])
+        return StepRead(kept, accepted, drafted, done_rows, stops)
 
     def rollback(self, num_accepted: torch.Tensor) -> None:
         # The target holds every token but each row's newest one, which the next verify feeds.

@@ -82,20 +82,13 @@ class DraftBudgets:
         planned = self.planned_budgets if self.planned_width is not None else None
         return torch.minimum(room, planned if planned is not None else self.schedule.budgets(batch))
 
-    def host_budgets(
-        self, batch: RaggedBatch, room: torch.Tensor, host_room: np.ndarray
-    ) -> tuple[torch.Tensor, np.ndarray] | None:  # [B] on the device, the same [B] on the host
-        """`budgets` of an unplanned dynamic step when the schedule decides on the host (`host_room`: `room` on the
-        host): the loop then reads nothing for them. None when the schedule decides on the device."""
+    def host_budgets(self, batch: RaggedBatch, host_room: np.ndarray) -> np.ndarray | None:  # [B]
+        """The budgets of an unplanned dynamic step, on the host, when the schedule decides there (`host_room`: the
+        drafts that fit before max_length): the loop reads nothing for them. None when it decides on the device."""
         if self.schedule is None:
-            return room, host_room
+            return host_room
         chosen = self.schedule.host_budgets(batch) if self.planned_width is None else None  # [B] host tensor
-        if chosen is None:
-            return None
-        host = np.minimum(host_room, chosen.numpy())
-        if not host.any():  # no row drafts (as when drafting does not pay): nothing to copy
-            return torch.zeros_like(room), host
-        return torch.from_numpy(host).to(batch.device), host  # the step's one copy to the device
+        return None if chosen is None else np.minimum(host_room, chosen.numpy())
 
     def proposed(self, proposal: Proposal) -> None:
         """The step's proposal (after every cut): what the schedule learns from once the step is accepted."""

@@ -47,6 +47,13 @@ class HostColumns:
         self.last = np.where(real, first_column + num_new - 1, self.last)
         self.cached = end
 
+    def kept_newest(self, column: int) -> None:
+        """Every row fed one real token into `column` and keeps it (a plain step): nothing to log for a rollback,
+        and a rollback into what was fed before now reads the device (`rolled_back` returns None)."""
+        self.cached = self.cached + 1
+        self.last = np.full_like(self.last, column)
+        self.fed_log = []
+
     def rolled_back(self, cached: np.ndarray) -> bool | None:  # cached: [B]
         """Rows keep buffer indices < cached[i]. Returns whether any row dropped an entry, or None when a row goes
         back past the forwards since the latest rollback (its columns are not known here: the caller reads them)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 
+import numpy as np
 import torch
 from transformers.generation.stopping_criteria import (
     EosTokenCriteria,
@@ -102,6 +103,32 @@ class StopRules:
         if self.has_eos:
             return torch.where(any_hit, first + 1, num_emitted)
         return num_emitted
+
+    def apply_newest(self, batch: RaggedBatch, new_ids: torch.Tensor) -> None:  # new_ids: [B]
+        """`apply` for a step in which every row emitted one token, at buffer index `lengths` (a plain step on a
+        dynamic batch, where no row has stopped with an EOS criterion and a stopped row keeps its tokens without
+        one): each row keeps it, and a stop there is the row's first. The max-length rule is checked on the host's
+        copy of the lengths (device work only on the step that reaches it)."""
+        device = batch.device
+        lengths = batch.lengths[:, None]  # [B, 1] the new token's buffer index
+        hit = None  # [B]
+        if self.eos_token_ids is not None:
+            hit = torch.isin(new_ids, self.eos_token_ids.to(device))
+        for max_length in self.max_lengths:
+            if batch.host_lengths is None or np.any(batch.host_lengths + 1 >= max_length):
+                reached = batch.lengths + 1 >= max_length
+                hit = reached if hit is None else hit | reached
+        for criterion in self.stop_strings:
+            found = _stop_string_hits(criterion, batch.token_ids, lengths)[:, 0]
+            hit = found if hit is None else hit | found
+        if hit is None:
+            return
+        hit &= ~self.stopped.to(device)
+        stop_lengths = torch.where(hit, batch.lengths + 1, 0)  # [B]
+        if not self.has_eos:  # the final width without EOS: the longest stop (a device tensor, no sync)
+            self.max_stop_length = torch.maximum(self.max_stop_length.to(device), stop_lengths.max())
+        self.stop_lengths = torch.where(hit, stop_lengths, self.stop_lengths.to(device))
+        self.stopped = self.stopped.to(device) | hit
 
     def stop_strings_key(self) -> tuple:
         """What identifies the stop strings' token tables (the graphs a call keeps read them: `graph_reuse`)."""
