@@ -75,7 +75,7 @@ class CacheView:
         self,
         token_ids: torch.Tensor,  # [B, C] the batch's token buffer
         num_new: torch.Tensor,  # [B] tokens to feed per row, from cached_lengths[i] on
-        logits_to_keep: int | None = None,
+        logits_to_keep: int | torch.Tensor | None = None,  # the last n slots, or these slots ([n]), as in transformers
         host_num_new: np.ndarray | None = None,  # [B] num_new as the host knows it (then nothing is read)
     ) -> torch.Tensor:  # [B, w, V] float32 logits of the fed positions (w = max(num_new))
         """Feed each row's next `num_new[i]` tokens through the model, appending them to the cache."""
@@ -145,7 +145,7 @@ class CacheView:
         input_ids: torch.Tensor,  # [B, w]
         mask: torch.Tensor | dict[str, torch.Tensor] | None,
         position_ids: torch.Tensor,  # [B, w]
-        logits_to_keep: int,
+        logits_to_keep: int | torch.Tensor,
         call: object = None,  # the model's compiled __call__ (static caches on a GPU), or None for the model
     ) -> torch.Tensor:  # [B, w or logits_to_keep, V]
         """One forward of the model over the cache (encoder-decoder views pass their encoder states here)."""

@@ -229,3 +229,24 @@ def test_plain_steps_leave_the_cache_plain_leaves(patterned, pattern):
         mask = (torch.arange(width) >= (first["attention_mask"] == 0).sum(1)[:, None]).long()
         assert_same_cache(ours.past_key_values, theirs.past_key_values, mask)
     assert counts["plain"] > 0
+
+
+@pytest.mark.parametrize("catch_up_on_gpu", [False, True])
+def test_a_draft_that_is_the_target_drafts_what_the_target_writes_after_plain_steps(
+    patterned, monkeypatch, catch_up_on_gpu
+):
+    """The target as its own draft accepts every draft, also in the forwards that first feed a backlog (the tokens of
+    a row's plain steps, a different number per row here): each row drafts from its own last slot's logits
+    (`DraftModelProposer._last_logits`, which runs the head on those slots only; on a GPU the backlog is fed first in
+    `catch_up_widths`). Exactness cannot see wrong drafts; acceptance does."""
+    from hf_specdec.proposers import draft_model
+
+    monkeypatch.setattr(draft_model, "builds_plans_per_shape", lambda device: catch_up_on_gpu)
+    patterned("staggered rows")
+    target = make_model("llama", seed=0)
+    inputs = make_prompts(3, seed=5, min_len=3, max_len=14)
+    spec = hf_specdec.SpecDecoder(draft_model=target, num_speculative_tokens=3)
+    gen = dict(max_new_tokens=20, do_sample=False, eos_token_id=None)
+    assert torch.equal(spec_generate(target, inputs, spec, **gen), target.generate(**inputs, **gen))
+    assert spec.last_stats.num_draft_tokens > 0
+    assert spec.last_stats.acceptance_rate == 1.0
