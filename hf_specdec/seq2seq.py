@@ -187,6 +187,8 @@ class Seq2SeqCacheView(CacheView):
                 **positions,
             )
         logits = outputs.logits.to(home)  # [B, w, V] on the batch's device
+        if isinstance(logits_to_keep, torch.Tensor):  # these slots (transformers' meaning of a tensor)
+            return logits[:, logits_to_keep.to(logits.device)]
         return logits[:, -logits_to_keep:] if logits_to_keep else logits
 
     def kv_layers(self) -> list:
