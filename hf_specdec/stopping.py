@@ -95,11 +95,7 @@ class StopRules:
         hit &= fresh
         any_hit = hit.any(1)
         first = hit.float().argmax(1)  # [B] offset of the first hit
-        stop_lengths = torch.where(any_hit, batch.lengths + first + 1, 0)  # [B]
-        if batch.batch_size:
-            self.max_stop_length = torch.maximum(self.max_stop_length, stop_lengths.max())
-        self.stop_lengths = torch.where(any_hit, stop_lengths, self.stop_lengths)  # fresh rows had not stopped
-        self.stopped = self.stopped | any_hit
+        self._note_stops(any_hit, torch.where(any_hit, batch.lengths + first + 1, 0))
         if self.has_eos:
             return torch.where(any_hit, first + 1, num_emitted)
         return num_emitted
@@ -124,8 +120,12 @@ class StopRules:
         if hit is None:
             return
         hit &= ~self.stopped.to(device)
-        stop_lengths = torch.where(hit, batch.lengths + 1, 0)  # [B]
-        if not self.has_eos:  # the final width without EOS: the longest stop (a device tensor, no sync)
+        self._note_stops(hit, torch.where(hit, batch.lengths + 1, 0))
+
+    def _note_stops(self, hit: torch.Tensor, stop_lengths: torch.Tensor) -> None:
+        """Rows `hit` ([B] bool, none stopped before) stop at `stop_lengths` ([B], 0 elsewhere)."""
+        device = hit.device
+        if not self.has_eos and len(stop_lengths):  # the final width without EOS: the longest stop (no sync)
             self.max_stop_length = torch.maximum(self.max_stop_length.to(device), stop_lengths.max())
         self.stop_lengths = torch.where(hit, stop_lengths, self.stop_lengths.to(device))
         self.stopped = self.stopped.to(device) | hit
