@@ -14,8 +14,9 @@ requests of `--new-tokens` tokens; reported per side: medians of throughput (gen
 inter-token latency p50/p99 (from per-token timestamps), the speedup, and the share of requests whose tokens equal
 plain CB's. JSON out. Plain CB keeps transformers' defaults (async batching, CUDA graphs where it picks them);
 speculative CB turns those off (see docs/design.md, "Continuous batching"), so each setting also times plain CB
-with them off (`plain_eager`): speedup over it is what speculation itself buys, speedup over `plain` what a user
-gets.
+with them off (`plain_eager`), and plain CB on the attention kernels speculative CB runs (`plain_same_kernel`: cuDNN's
+SDPA off, see `hf_specdec/attention_backends.py`): speedup over those is what speculation itself buys, speedup over
+`plain` what a user gets.
 
 Run (GPU, transformers >= 5.24): `PYTHONPATH=. python benchmarks/bench_cb_gpu.py --out cb.json`
 Dry run (CPU, tiny shapes): `PYTHONPATH=. python benchmarks/bench_cb_gpu.py --dry-run`
@@ -24,6 +25,7 @@ Dry run (CPU, tiny shapes): `PYTHONPATH=. python benchmarks/bench_cb_gpu.py --dr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import statistics
@@ -36,6 +38,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 import hf_specdec
+from hf_specdec.attention_backends import without_cudnn_attention
 
 SHAPES = {
     "target": dict(
@@ -216,14 +219,17 @@ def main() -> None:
                                               num_speculative_tokens_schedule=args.schedule)  # fmt: skip
             run_once(target, prompts[:2], gen, cb_config(), None)  # warm up both sides
             run_once(target, prompts[:2], gen, cb_config(), spec)
-            sides: dict[str, list[dict]] = {"plain": [], "plain_eager": [], "spec": []}
+            sides: dict[str, list[dict]] = {"plain": [], "plain_eager": [], "plain_same_kernel": [], "spec": []}
             same = []
             for _ in range(args.rounds):
                 plain_metrics, plain_tokens = run_once(target, prompts, gen, cb_config(), None)
                 eager_metrics, _ = run_once(target, prompts, gen, eager(cb_config()), None)
+                with without_cudnn_attention(torch.device(device)):
+                    same_kernel_metrics, _ = run_once(target, prompts, gen, cb_config(), None)
                 spec_metrics, spec_tokens = run_once(target, prompts, gen, cb_config(), spec)
                 sides["plain"].append(plain_metrics)
                 sides["plain_eager"].append(eager_metrics)
+                sides["plain_same_kernel"].append(same_kernel_metrics)
                 sides["spec"].append(spec_metrics)
                 same.append(sum(plain_tokens[r] == spec_tokens.get(r) for r in plain_tokens) / len(plain_tokens))
             med = {side: {m: statistics.median(r[m] for r in rows) for m in rows[0]} for side, rows in sides.items()}
@@ -234,13 +240,15 @@ def main() -> None:
                     "support was imported; run from the repository root with PYTHONPATH=."
                 )
             row = dict(workload=workload, concurrency=n, plain=med["plain"], plain_eager=med["plain_eager"],
-                       spec=med["spec"], speedup=med["spec"]["tokens_per_s"] / med["plain"]["tokens_per_s"],
+                       plain_same_kernel=med["plain_same_kernel"], spec=med["spec"],
+                       speedup=med["spec"]["tokens_per_s"] / med["plain"]["tokens_per_s"],
                        speedup_vs_eager=med["spec"]["tokens_per_s"] / med["plain_eager"]["tokens_per_s"],
+                       speedup_same_kernel=med["spec"]["tokens_per_s"] / med["plain_same_kernel"]["tokens_per_s"],
                        identical_share=min(same), acceptance=stats.acceptance_rate if stats else None)  # fmt: skip
             results.append(row)
             print(f"{workload:14s} n={n:3d}: plain {med['plain']['tokens_per_s']:8.1f} tok/s, spec "
                   f"{med['spec']['tokens_per_s']:8.1f} tok/s ({row['speedup']:.2f}x; {row['speedup_vs_eager']:.2f}x plain "
-                  f"without graphs/async), identical {row['identical_share']:.2f}, "
+                  f"without graphs/async; {row['speedup_same_kernel']:.2f}x plain without cuDNN attention), identical {row['identical_share']:.2f}, "
                   f"acceptance {row['acceptance']}, TTFT p50 {med['spec']['ttft_p50']:.3f}s vs {med['plain']['ttft_p50']:.3f}s")  # fmt: skip
     meta = dict(device=torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
                 torch=torch.__version__, transformers=transformers.__version__, args=vars(args))  # fmt: skip

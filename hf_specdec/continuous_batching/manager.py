@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
+from hf_specdec.attention_backends import without_cudnn_attention
 from hf_specdec.config import SpecDecoder
 from hf_specdec.continuous_batching.compat import (
     ContinuousBatchingConfig,
@@ -203,6 +204,13 @@ class SpecContinuousBatchingManager(ContinuousBatchingManager):
             max_positions=max_positions,
         )
         return processor
+
+    def _run_generation_loop(self, use_inference_mode: bool) -> None:
+        # Verifies, drafts and catch-ups meet a new pair of query and key lengths almost every step, and cuDNN's
+        # attention builds a plan for each on the host: 60-80 ms per forward of an 8B-shaped target on an H100
+        # (benchmarks/profile_cb_gpu.py; docs/benchmarks.md). The other SDPA kernels need no plan.
+        with without_cudnn_attention(self.model.device):
+            super()._run_generation_loop(use_inference_mode)
 
     def stop(
         self,

@@ -86,6 +86,7 @@ class SpecBatchProcessor(ContinuousBatchProcessor):
         return max(0, min(k, left, room))
 
     def propose_drafts(self, states: list[RequestState]) -> None:
+        self.schedule.tick()
         live = set(self.scheduler.active_requests) | set(self.scheduler.waiting_requests)
         for request_id in [r for r in self._known if r not in live]:  # cancelled or failed since the last step
             self._known.discard(request_id)

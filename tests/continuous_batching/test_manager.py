@@ -129,3 +129,32 @@ def test_older_transformers_are_refused():
     check_transformers_version("5.24.0")
     with pytest.raises(RuntimeError, match=r"transformers >= 5\.24.*found 5\.17\.0"):
         check_transformers_version("5.17.0")
+
+
+def test_loop_runs_without_cudnn_attention_and_gives_the_setting_back(target, monkeypatch):
+    """The loop's forwards meet new query/key length pairs every step (cuDNN would plan each on the host): cuDNN's
+    SDPA is off in the background thread while the loop runs, and the user's setting is back once it stopped. The
+    model is on the CPU here, so the switch is made as for a CUDA model (the flags are process-wide)."""
+    from hf_specdec.continuous_batching import manager as manager_module
+    from hf_specdec.continuous_batching.proposers import NgramCBProposer
+
+    switch = manager_module.without_cudnn_attention
+    monkeypatch.setattr(manager_module, "without_cudnn_attention", lambda device: switch(torch.device("cuda")))
+    seen: list[bool] = []
+    propose = NgramCBProposer.propose
+
+    def recording(self, *args, **kwargs):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return propose(self, *args, **kwargs)
+
+    monkeypatch.setattr(NgramCBProposer, "propose", recording)
+    was = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    try:
+        out = target.generate_batch(PROMPTS, greedy_config(), continuous_batching_config=cb_config(),
+                                    spec_decoder=hf_specdec.SpecDecoder(method="ngram"))  # fmt: skip
+        tokens(out)
+        assert seen and not any(seen)
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(was)

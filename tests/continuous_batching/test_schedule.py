@@ -8,7 +8,7 @@ from cb_helpers import greedy_config, installed, plain_and_spec  # noqa: F401 (i
 from conftest import make_model
 
 import hf_specdec
-from hf_specdec.continuous_batching.schedule import PROBE_EVERY, RequestSchedule
+from hf_specdec.continuous_batching.schedule import MAX_PROBE_EVERY, PROBE_EVERY, RequestSchedule
 
 
 def test_constant_keeps_k():
@@ -29,23 +29,50 @@ def test_heuristic_moves_within_one_and_k():
     assert schedule.budget("r") == 5  # capped at K
 
 
-def test_adaptive_stops_drafting_and_probes():
+def _step(schedule: RequestSchedule, request_id: str, accepted_if_drafted: int | None = 0) -> int:
+    """One loop step of one request: tick, budget, verify (all drafts accepted when `accepted_if_drafted` is None)."""
+    schedule.tick()
+    k = schedule.budget(request_id)
+    schedule.record(request_id, k, k if accepted_if_drafted is None else min(k, accepted_if_drafted))
+    return k
+
+
+def test_adaptive_steps_down_to_zero_and_up_by_two():
+    schedule = RequestSchedule("adaptive", 4)
+    assert [_step(schedule, "r") for _ in range(5)] == [4, 3, 2, 1, 0]
+    schedule = RequestSchedule("adaptive", 4)
+    assert [_step(schedule, "r", accepted_if_drafted=1) for _ in range(3)] == [4, 3, 2]
+    assert _step(schedule, "r", accepted_if_drafted=None) == 1  # all kept: +2 next
+    assert schedule.budget("r") == 3
+
+
+def test_adaptive_probes_on_the_clock_with_a_doubling_wait():
     schedule = RequestSchedule("adaptive", 3)
-    for _ in range(3):
-        schedule.record("r", schedule.budget("r"), 0)
-    assert schedule.budget("r") == 0
-    for _ in range(PROBE_EVERY - 1):
-        schedule.record("r", 0, 0)
-        assert schedule.budget("r") == 0
-    schedule.record("r", 0, 0)
-    assert schedule.budget("r") == 1  # a probe
-    schedule.record("r", 1, 0)  # it failed: back to idling
-    assert schedule.budget("r") == 0
-    for _ in range(PROBE_EVERY):
-        schedule.record("r", 0, 0)
-    schedule.record("r", schedule.budget("r"), 1)  # a probe that pays: drafting resumes
+    ks = [_step(schedule, "r") for _ in range(200)]
+    probes = [step for step, k in enumerate(ks, start=1) if k == 1 and step > 3]  # after 3, 1, 0
+    assert all(step % PROBE_EVERY == 0 for step in probes)  # on the shared clock
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps[:3] == [2 * PROBE_EVERY, 4 * PROBE_EVERY, 8 * PROBE_EVERY] and set(gaps[3:]) == {MAX_PROBE_EVERY}
+    # a probe that pays resumes drafting and resets the wait
+    while _step(schedule, "r", accepted_if_drafted=None) == 0:
+        pass
     assert schedule.budget("r") == 2
     assert schedule.budget("other") == 3  # each request its own
+
+
+def test_probes_of_requests_that_stopped_at_different_steps_share_steps():
+    schedule = RequestSchedule("adaptive", 2)
+    probes: dict[str, list[int]] = {"a": [], "b": []}
+    for step in range(1, 200):
+        schedule.tick()
+        for request_id in ("a", "b") if step >= 4 else ("a",):  # b arrives 3 steps later
+            k = schedule.budget(request_id)
+            schedule.record(request_id, k, 0)
+            if k == 1 and schedule.k_of(request_id) == 0 and step > 6:
+                probes[request_id].append(step)
+    assert probes["a"] and probes["b"]
+    assert all(step % PROBE_EVERY == 0 for step in probes["a"] + probes["b"])
+    assert set(probes["b"][-3:]) <= set(probes["a"])  # once both wait the longest, they probe on the same steps
 
 
 @pytest.mark.parametrize("mode", ["adaptive", "heuristic"])
