@@ -11,7 +11,8 @@ draft whose logits are replaced by the target's greedy token with probability al
 
 Each setting runs interleaved rounds (plain, speculative, plain, ...) of `generate_batch` with `--concurrency`
 requests of `--new-tokens` tokens; reported per side: medians of throughput (generated tokens / s), TTFT and
-inter-token latency p50/p99 (from per-token timestamps), the speedup, and the share of requests whose tokens equal
+inter-token latency p50/p99 (from per-token timestamps; a verify's tokens share a stamp) and time per output token
+after the first, per request (TPOT p50/p99), the speedup, and the share of requests whose tokens equal
 plain CB's. JSON out. Plain CB keeps transformers' defaults (async batching, CUDA graphs where it picks them);
 speculative CB turns those off (see docs/design.md, "Continuous batching"), so each setting also times plain CB
 with them off (`plain_eager`), and plain CB on the attention kernels speculative CB runs (`plain_same_kernel`: cuDNN's
@@ -25,7 +26,6 @@ Dry run (CPU, tiny shapes): `PYTHONPATH=. python benchmarks/bench_cb_gpu.py --dr
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import platform
 import statistics
@@ -164,16 +164,26 @@ def run_once(target, prompts, gen, cb_config, spec):  # noqa: ANN001, ANN201
                                     spec_decoder=spec) if spec is not None else target.generate_batch(
         prompts, gen, continuous_batching_config=cb_config, record_timestamps=True)  # fmt: skip
     wall = time.perf_counter() - start
-    ttft, itl, total = [], [], 0
+    ttft, itl, tpot, total = [], [], [], 0
     for out in outputs.values():
         total += len(out.generated_tokens)
         stamps = out.timestamps or []
         if stamps:
             ttft.append(stamps[0] - out.created_time)
             itl.extend(b - a for a, b in zip(stamps, stamps[1:]))
+        if len(stamps) > 1:  # per request: a verify's tokens share one stamp, so ITL alone shows bursts
+            tpot.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
     metrics = dict(tokens_per_s=total / wall, wall_s=wall, ttft_p50=percentile(ttft, 0.5), ttft_p99=percentile(ttft, 0.99),
-                   itl_p50=percentile(itl, 0.5), itl_p99=percentile(itl, 0.99))  # fmt: skip
+                   itl_p50=percentile(itl, 0.5), itl_p99=percentile(itl, 0.99), tpot_p50=percentile(tpot, 0.5),
+                   tpot_p99=percentile(tpot, 0.99))  # fmt: skip
     return metrics, {k: v.generated_tokens for k, v in outputs.items()}
+
+
+def write(args: argparse.Namespace, device: str, results: list[dict]) -> None:
+    meta = dict(device=torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
+                torch=torch.__version__, transformers=transformers.__version__, args=vars(args))  # fmt: skip
+    with open(args.out, "w") as f:
+        json.dump(dict(meta=meta, results=results), f, indent=2)
 
 
 def main() -> None:
@@ -249,11 +259,9 @@ def main() -> None:
             print(f"{workload:14s} n={n:3d}: plain {med['plain']['tokens_per_s']:8.1f} tok/s, spec "
                   f"{med['spec']['tokens_per_s']:8.1f} tok/s ({row['speedup']:.2f}x; {row['speedup_vs_eager']:.2f}x plain "
                   f"without graphs/async; {row['speedup_same_kernel']:.2f}x plain without cuDNN attention), identical {row['identical_share']:.2f}, "
-                  f"acceptance {row['acceptance']}, TTFT p50 {med['spec']['ttft_p50']:.3f}s vs {med['plain']['ttft_p50']:.3f}s")  # fmt: skip
-    meta = dict(device=torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
-                torch=torch.__version__, transformers=transformers.__version__, args=vars(args))  # fmt: skip
-    with open(args.out, "w") as f:
-        json.dump(dict(meta=meta, results=results), f, indent=2)
+                  f"acceptance {row['acceptance']}, TTFT p50 {med['spec']['ttft_p50']:.3f}s vs {med['plain']['ttft_p50']:.3f}s",
+                  flush=True)  # fmt: skip
+            write(args, device, results)  # after each setting: a run cut short keeps what it measured
     print(f"wrote {args.out}")
 
 

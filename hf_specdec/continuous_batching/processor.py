@@ -157,13 +157,17 @@ class SpecBatchProcessor(ContinuousBatchProcessor):
             logits = model(**batch_data).logits[0, indices]  # [N, V]
         if not verifying:
             return
-        columns = torch.tensor(row_request, dtype=torch.long, device=device)  # [N]
-        args = batch_data["logits_processor_args"].index_select(1, columns)  # [T, N]
+        args = batch_data["logits_processor_args"]  # [T, requests]
+        if self.sampler.processors.do_processing:
+            args = args.index_select(1, torch.tensor(row_request, dtype=torch.long, device=device))  # [T, N]
         scores = self.sampler.scores(logits, batch_data["input_ids"][0, indices], args)  # [N, V]
 
         batch, vocab = len(verifying), scores.shape[-1]
         counts = [len(d.token_ids) for _, d in verifying]
         width = max(counts)
+        if width == 0 and not self.sampler.do_sample:  # no drafts in the batch: plain greedy decoding's argmax
+            self._emitted = [[token] for token in scores.argmax(dim=-1).tolist()]
+            return
         # Pad to [B, k+1] with one gather (rows past a request's drafts repeat its last row and are never read)
         starts = [0]
         for n in counts[:-1]:
