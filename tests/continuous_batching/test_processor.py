@@ -95,3 +95,24 @@ def test_long_prompts_prefill_in_chunks_and_the_draft_catches_up_in_chunks(targe
     plain, spec_out = plain_and_spec(target, inputs, spec, greedy_config(max_new_tokens=12), max_batch_tokens=32)
     assert spec_out == plain
     assert spec.last_stats.num_draft_tokens > 0
+
+
+def test_adaptive_schedule_stops_probes_and_resumes_with_plain_tokens(target):
+    """A draft that is the target with a noisy head (about 40% of drafts accepted, unevenly over requests): under the
+    adaptive schedule some requests stop drafting, probe on the shared clock and resume, and some steps have no
+    drafts at all (the argmax path; about a dozen of each here). Every request's tokens stay plain's, and it drafts
+    less than the constant k."""
+    draft = make_model("llama", seed=0)
+    with torch.no_grad():
+        head = draft.lm_head.weight
+        head.add_(torch.randn(head.shape, generator=torch.Generator().manual_seed(4)) * 0.3 * head.std())
+    inputs = prompts(12, seed=5)
+    config = greedy_config(max_new_tokens=48, eos_token_id=-1)
+    drafted = {}
+    for mode in ("adaptive", "constant"):
+        spec = hf_specdec.SpecDecoder(draft_model=draft, num_speculative_tokens=4, num_speculative_tokens_schedule=mode)
+        plain, spec_out = plain_and_spec(target, inputs, spec, config)
+        assert spec_out == plain
+        drafted[mode] = spec.last_stats.num_draft_tokens
+        assert 0 < spec.last_stats.num_accepted_tokens < drafted[mode]
+    assert drafted["adaptive"] < drafted["constant"]
