@@ -68,17 +68,30 @@ class DraftModelCBProposer(CBProposer):
         sampler: RowSampler,
     ) -> None:
         self.draft = draft
-        self.returns_probs = sampler.do_sample
-        config = draft_cache_config(cb_config, target_cache)
-        self.cache = new_paged_cache(
-            draft.config.get_text_config(), config, draft.device, draft.dtype, distributed_helper
-        )
-        self.ios = new_draft_ios(self.cache, draft.config.get_text_config(), config, draft.device, draft.dtype)
-        self.max_batch_tokens = self.cache.max_batch_tokens
-        self.max_requests = config.max_requests_per_batch
         self.supports_logits_to_keep = callable(getattr(draft, "_supports_logits_to_keep", None)) and bool(
             draft._supports_logits_to_keep()
         )
+        self._setup(draft.config.get_text_config(), draft.device, draft.dtype, target_cache, cb_config,
+                    distributed_helper, sampler)  # fmt: skip
+
+    def _setup(
+        self,
+        model_config: object,
+        device: torch.device,
+        dtype: torch.dtype,
+        target_cache: PagedAttentionCache,
+        cb_config: ContinuousBatchingConfig,
+        distributed_helper: object,
+        sampler: RowSampler,
+    ) -> None:
+        """The paged cache and ragged inputs of the drafting layers (`model_config` sizes them)."""
+        self.device = device
+        self.returns_probs = sampler.do_sample
+        config = draft_cache_config(cb_config, target_cache)
+        self.cache = new_paged_cache(model_config, config, device, dtype, distributed_helper)
+        self.ios = new_draft_ios(self.cache, model_config, config, device, dtype)
+        self.max_batch_tokens = self.cache.max_batch_tokens
+        self.max_requests = config.max_requests_per_batch
         self.requests: dict[str, _DraftRequest] = {}
 
     # ------------------------------------------------------------------ bookkeeping
@@ -86,16 +99,20 @@ class DraftModelCBProposer(CBProposer):
     def _request(self, state: RequestState) -> _DraftRequest:
         entry = self.requests.get(state.request_id)
         if entry is not None and entry.owner is not state:  # soft reset (re-prefill): the draft starts over
-            self.release(state.request_id)
+            self._drop(state.request_id)
             entry = None
         if entry is None:
             entry = _DraftRequest(shadow=RequestState(request_id=state.request_id, initial_tokens=[]), owner=state)
             self.requests[state.request_id] = entry
         return entry
 
-    def release(self, request_id: str) -> None:
+    def _drop(self, request_id: str) -> None:
+        """Forget the request's draft KV (its blocks go back to the pool)."""
         if self.requests.pop(request_id, None) is not None:
             self.cache.free_blocks(request_id)
+
+    def release(self, request_id: str) -> None:
+        self._drop(request_id)
 
     def reset(self) -> None:
         self.requests.clear()
@@ -108,11 +125,25 @@ class DraftModelCBProposer(CBProposer):
 
     # ------------------------------------------------------------------ forwards
 
+    def _tokens(self, state: RequestState) -> list[int]:
+        """What the drafting layers' KV holds, entry by entry: every token of the request (its newest included)."""
+        return sequence(state)
+
+    def _fed(self, entry: _DraftRequest, start: int, tokens: list[int], chained: bool) -> None:  # noqa: B027
+        """The next forward feeds `entry` the entries `start ..` holding `tokens`: what it caught up on, or
+        (`chained`) its latest draft. A hook for drafters with inputs besides tokens (MTP)."""
+
+    def _ran(self, request_ids: list[str]) -> None:  # noqa: B027
+        """The latest forward gave the logits rows of `request_ids`, in order (a hook, as `_fed`)."""
+
     def _forward(self, futures: list[FutureRequestState]) -> torch.Tensor:  # [R, V] for the has_new_token requests
         num_q = sum(f.query_length for f in futures)
         max_kv = sum(f.state.position_offset for f in futures)
         self.ios.prepare_batch_tensors(futures, self.ios_processors, False, num_q, max_kv, use_padding=False)
-        kwargs = self.ios.get_model_kwargs(use_padding=False)
+        return self._run(self.ios.get_model_kwargs(use_padding=False), futures)
+
+    def _run(self, kwargs: dict, futures: list[FutureRequestState]) -> torch.Tensor:  # [R, V]
+        """One forward of the drafting layers over the ragged batch `kwargs` (transformers' paged arguments)."""
         indices = kwargs["logits_indices"]  # [R]
         if self.supports_logits_to_keep:
             kwargs["logits_to_keep"] = indices
@@ -143,12 +174,14 @@ class DraftModelCBProposer(CBProposer):
                 take = min(missing, budget)
                 start = entry.shadow.position_offset
                 entry.shadow.tokens_to_process = seq[start : start + take]
+                self._fed(entry, start, entry.shadow.tokens_to_process, chained=False)
                 futures.append(FutureRequestState(entry.shadow, take == missing, {}, take))
                 budget -= take
                 if take < missing:
                     rest.append((entry, seq))
             logits = self._forward(futures)
             rows = [f.state.request_id for f in futures if f.has_new_token]
+            self._ran(rows)
             for row, request_id in enumerate(rows):
                 last_logits[request_id] = logits[row]
             pending = rest
@@ -164,7 +197,7 @@ class DraftModelCBProposer(CBProposer):
             if k <= 0 or len(live) >= self.max_requests:
                 continue
             entry = self._request(state)
-            seq = sequence(state)
+            seq = self._tokens(state)
             entry.shadow.position_offset = min(entry.shadow.position_offset, len(seq) - 1)
             # Reserve the draft KV for the catch-up and the k - 1 drafts it feeds; shrink k when the cache is short
             missing = len(seq) - entry.shadow.position_offset
@@ -177,7 +210,7 @@ class DraftModelCBProposer(CBProposer):
             ks.append(k)
         if not live:
             return out
-        device = self.draft.device
+        device = self.device
         entries = [e for _, e in live]
         owners = [e.owner for e in entries]
         args = sampler.request_args(owners, device)  # [T, R]
@@ -204,9 +237,11 @@ class DraftModelCBProposer(CBProposer):
             for r in active:
                 shadow = entries[r].shadow
                 shadow.tokens_to_process = [tokens[r][-1]]
+                self._fed(entries[r], shadow.position_offset, shadow.tokens_to_process, chained=True)
                 futures.append(FutureRequestState(shadow, True, {}, 1))
                 entries[r].fed += 1
             logits = self._forward(futures)  # [R', V]
+            self._ran([entries[r].shadow.request_id for r in active])
         for r, (i, _) in enumerate(live):
             out[i] = Drafts(tokens[r], torch.stack(probs[r]) if probs[r] else None)
         return out

@@ -25,6 +25,7 @@ from hf_specdec.continuous_batching.compat import (
     kv_bytes_per_token,
 )
 from hf_specdec.continuous_batching.draft_model import DraftModelCBProposer
+from hf_specdec.continuous_batching.mtp import MtpCBProposer, mtp_cache_config
 from hf_specdec.continuous_batching.processor import CBSpecStats, SpecBatchProcessor
 from hf_specdec.continuous_batching.proposers import CBProposer, NgramCBProposer
 from hf_specdec.continuous_batching.sampling import RowSampler, check_processors
@@ -34,7 +35,7 @@ from hf_specdec.metrics import SpecDecodeStats
 from hf_specdec.sampling.random import random_seeds
 
 #: SpecDecoder methods continuous batching speculates with.
-CB_METHODS = ("ngram", "draft")
+CB_METHODS = ("ngram", "draft", "mtp")
 
 
 def check_spec_for_cb(spec: Any, model: torch.nn.Module) -> None:
@@ -44,7 +45,8 @@ def check_spec_for_cb(spec: Any, model: torch.nn.Module) -> None:
     if spec.method not in CB_METHODS:
         raise ValueError(
             f"Continuous batching speculates with SpecDecoder(method=...) in {CB_METHODS}, got method={spec.method!r}: "
-            "use method='ngram' or a draft_model, or model.generate(..., spec_decoder=spec) without continuous batching."
+            "use method='ngram', 'mtp' or a draft_model, or model.generate(..., spec_decoder=spec) without continuous "
+            "batching."
         )
     if spec.draft_tokenizer is not None:
         raise ValueError("Continuous batching cannot use a draft_tokenizer (another vocabulary): drop draft_tokenizer.")
@@ -58,6 +60,12 @@ def check_spec_for_cb(spec: Any, model: torch.nn.Module) -> None:
             "SpecDecoder(seed=[...]) gives one seed per row of a generate batch; continuous batching seeds each "
             "request from one int and its request id: pass seed=<int>."
         )
+    if getattr(model.config.get_text_config(), "kv_lora_rank", None):
+        raise ValueError(
+            f"{type(model).__name__} uses multi-head latent attention (MLA: keys and values of different head sizes), "
+            "which transformers' continuous batching cannot store in its paged cache (plain generate_batch fails on "
+            "it too): use model.generate(..., spec_decoder=spec) instead."
+        )
     groups = attention_groups(model.config.get_text_config())
     if groups != ["full_attention"]:
         raise ValueError(
@@ -65,6 +73,10 @@ def check_spec_for_cb(spec: Any, model: torch.nn.Module) -> None:
             "(a sliding-window layer keeps a ring of the window's size, which draft slots would overwrite): decode "
             "without spec_decoder, or use model.generate(..., spec_decoder=spec)."
         )
+    if spec.method == "mtp":
+        mtp_groups = attention_groups(mtp_cache_config(drafter(spec, model)))
+        if mtp_groups != ["full_attention"]:
+            raise ValueError(f"The MTP layers have {mtp_groups} layers: continuous batching needs full attention.")
     draft = spec.draft_model
     if draft is not None:
         target_vocab = model.get_output_embeddings().weight.shape[0]
@@ -86,6 +98,16 @@ def check_spec_for_cb(spec: Any, model: torch.nn.Module) -> None:
                 f"The draft model's attention implementation {draft.config._attn_implementation!r} cannot read a paged "
                 "cache: load it with attn_implementation='sdpa' (or eager, or a flash implementation)."
             )
+
+
+def drafter(spec: SpecDecoder, model: torch.nn.Module) -> torch.nn.Module | None:
+    """The module that drafts for `spec` on `model`: its draft model, the target's MTP layers, or None (prompt
+    lookup)."""
+    if spec.method == "mtp":
+        from hf_specdec.proposers.mtp import resolve_mtp_model
+
+        return resolve_mtp_model(model, spec.mtp_model)
+    return spec.draft_model
 
 
 def speculative_cb_config(config: ContinuousBatchingConfig | None) -> ContinuousBatchingConfig:
@@ -145,7 +167,7 @@ class SpecContinuousBatchingManager(ContinuousBatchingManager):
         self._prepare_draft()
 
     def _prepare_draft(self) -> None:
-        draft = self.spec_decoder.draft_model
+        draft = self.drafter = drafter(self.spec_decoder, self.model)
         if draft is None:
             return
         draft.eval()
@@ -164,7 +186,8 @@ class SpecContinuousBatchingManager(ContinuousBatchingManager):
         if self.continuous_batching_config.num_blocks is None:
             # The draft's KV comes out of the same memory: give the target its share of the budget
             target_bytes = kv_bytes_per_token(self.model.config.get_text_config(), self.model.dtype)
-            draft_bytes = kv_bytes_per_token(draft.config.get_text_config(), draft.dtype)
+            kv_config = mtp_cache_config(draft) if self.spec_decoder.method == "mtp" else draft.config.get_text_config()
+            draft_bytes = kv_bytes_per_token(kv_config, draft.dtype)
             share = target_bytes / (target_bytes + draft_bytes)
             self.continuous_batching_config.max_memory_percent *= share
 
@@ -178,6 +201,15 @@ class SpecContinuousBatchingManager(ContinuousBatchingManager):
         spec = self.spec_decoder
         if spec.method == "ngram":
             return NgramCBProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        if spec.method == "mtp":
+            return MtpCBProposer(
+                self.model,
+                self.drafter,
+                processor.cache,
+                self.continuous_batching_config,
+                self.distributed_helper,
+                self.row_sampler,
+            )
         return DraftModelCBProposer(
             spec.draft_model,
             processor.cache,
@@ -229,7 +261,7 @@ class SpecContinuousBatchingManager(ContinuousBatchingManager):
                 num_accepted_tokens=stats.accepted,
             )
         if not keep_for_next_session and self._draft_attn_impl is not None:
-            self.spec_decoder.draft_model.set_attn_implementation(self._draft_attn_impl)
+            self.drafter.set_attn_implementation(self._draft_attn_impl)
             self._draft_attn_impl = None
 
 

@@ -150,11 +150,12 @@ class SpecBatchProcessor(ContinuousBatchProcessor):
         # A batch of prefill chunks only still runs: the forward writes their KV (one row kept, then dropped)
         indices = torch.tensor(rows or [end - 1], dtype=torch.long, device=device)  # [N]
         batch_data["logits_indices"] = indices
-        if self._logits_to_keep_supported(model):
-            batch_data["logits_to_keep"] = indices
-            logits = model(**batch_data).logits[0]  # [N, V]
-        else:
-            logits = model(**batch_data).logits[0, indices]  # [N, V]
+        with self.proposer.watching(ios.requests_in_batch):
+            if self._logits_to_keep_supported(model):
+                batch_data["logits_to_keep"] = indices
+                logits = model(**batch_data).logits[0]  # [N, V]
+            else:
+                logits = model(**batch_data).logits[0, indices]  # [N, V]
         if not verifying:
             return
         args = batch_data["logits_processor_args"]  # [T, requests]

@@ -7,13 +7,15 @@ lives in `draft_model.py`.
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from hf_specdec.continuous_batching.compat import RequestState
+from hf_specdec.continuous_batching.compat import FutureRequestState, RequestState
 from hf_specdec.continuous_batching.sampling import RowSampler
 from hf_specdec.proposers.ngram_search import ngram_search
 
@@ -41,6 +43,11 @@ class CBProposer(ABC):
     def propose(self, states: list[RequestState], max_drafts: list[int], sampler: RowSampler) -> list[Drafts]:
         """Up to `max_drafts[i]` drafts for `states[i]` (0: none)."""
 
+    @contextlib.contextmanager
+    def watching(self, futures: list[FutureRequestState]) -> Iterator[None]:
+        """Around the target's forward over `futures` (a drafter that reads the target's states keeps them here)."""
+        yield
+
     def commit(self, state: RequestState, num_accepted: int) -> None:  # noqa: B027
         """`state`'s verify kept `num_accepted` of the drafts proposed for it (its tokens are already appended)."""
 
@@ -49,9 +56,6 @@ class CBProposer(ABC):
 
     def reset(self) -> None:  # noqa: B027
         """A new generation loop starts: forget every request."""
-
-    def close(self) -> None:  # noqa: B027
-        """The manager stops: undo what was changed on models."""
 
 
 class NgramCBProposer(CBProposer):

@@ -123,12 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="OpenAI-compatible server (transformers serve) with speculative CB",
                            description="Serve MODEL with transformers' OpenAI-compatible app and continuous batching, "
-                                       "every request decoded with speculation (prompt lookup, or --draft).")  # fmt: skip
+                                       "every request decoded with speculation (prompt lookup, the target's MTP layers, or --draft).")  # fmt: skip
     serve.set_defaults(subparser=serve)
     serve.add_argument("model", metavar="MODEL", help="model id or local path (the target)")
     serve.add_argument("--draft", default=None, metavar="ID", help="a draft model sharing the target's tokenizer")
-    serve.add_argument("--method", default=None, choices=["ngram", "draft"],
-                       help="default: draft with --draft, else ngram (prompt lookup)")  # fmt: skip
+    serve.add_argument("--method", default=None, choices=["ngram", "draft", "mtp"],
+                       help="default: draft with --draft, else ngram (prompt lookup); mtp: the target's MTP layers")  # fmt: skip
     serve.add_argument("--k", type=_bounded_int(1, 32, "--k"), default=4, help="most drafts per step (default: 4)")
     serve.add_argument("--schedule", default="adaptive", choices=["adaptive", "constant", "heuristic"],
                        help="per-request draft length: heuristic (+2/-1; what adaptive means in CB) or constant")  # fmt: skip

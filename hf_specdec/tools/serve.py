@@ -1,4 +1,4 @@
-"""`hf-specdec serve MODEL [--draft ID | --method ngram]`: transformers' OpenAI-compatible server (continuous
+"""`hf-specdec serve MODEL [--draft ID | --method ngram | --method mtp]`: transformers' OpenAI-compatible server (continuous
 batching) with every request speculated.
 
 transformers' serve app creates its continuous-batching manager itself (`model.init_continuous_batching(...)`), so
@@ -28,18 +28,19 @@ def check_serve_available() -> None:
 
 
 def spec_factory(method: str, draft: str | None, k: int, schedule: str) -> Callable[[Any], SpecDecoder]:
-    """What each loaded model speculates with: prompt lookup, or a draft loaded next to the target."""
+    """What each loaded model speculates with: prompt lookup, the target's MTP layers (loaded from its checkpoint),
+    or a draft loaded next to the target."""
     if draft is not None and method != "draft":
         raise ValueError(f"--draft {draft!r} was given with --method {method}: drop one (a draft implies draft).")
     if method == "draft" and draft is None:
         raise ValueError("--method draft needs --draft MODEL_ID (a small model sharing the target's tokenizer).")
-    if method not in ("ngram", "draft"):
-        raise ValueError(f"--method must be 'ngram' or 'draft' for serving, got {method!r}.")
+    if method not in ("ngram", "draft", "mtp"):
+        raise ValueError(f"--method must be 'ngram', 'draft' or 'mtp' for serving, got {method!r}.")
 
     def make(model: Any) -> SpecDecoder:
         schedule_kw = dict(num_speculative_tokens=k, num_speculative_tokens_schedule=schedule)
-        if method == "ngram":
-            return SpecDecoder(method="ngram", **schedule_kw)
+        if method in ("ngram", "mtp"):
+            return SpecDecoder(method=method, **schedule_kw)
         from transformers import AutoModelForCausalLM
 
         draft_model = AutoModelForCausalLM.from_pretrained(

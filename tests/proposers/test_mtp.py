@@ -29,12 +29,12 @@ MTP_ARCHS = {
 }
 
 
-def make_mtp_target(arch: str, seed: int = 0) -> tuple[torch.nn.Module, MtpModel]:
+def make_mtp_target(arch: str, seed: int = 0, vocab: int = VOCAB) -> tuple[torch.nn.Module, MtpModel]:
     """A 1-layer MoE target with 2 MTP layers: copies of its layer plus noise, fed [embedding, hidden]."""
     torch.manual_seed(seed)
     config = AutoConfig.for_model(
         arch,
-        **{**tiny_config_kwargs(VOCAB, layers=1, hidden=64), **MTP_ARCHS[arch]},
+        **{**tiny_config_kwargs(vocab, layers=1, hidden=64), **MTP_ARCHS[arch]},
         moe_intermediate_size=32,
         n_routed_experts=4,
         num_experts_per_tok=2,

@@ -93,4 +93,8 @@ def test_serve_options_are_checked_before_loading():
         spec_factory("draft", None, 4, "adaptive")
     with pytest.raises(ValueError, match="drop one"):
         spec_factory("ngram", "some/draft", 4, "adaptive")
+    with pytest.raises(ValueError, match="'ngram', 'draft' or 'mtp'"):
+        spec_factory("eagle3", None, 4, "adaptive")
+    spec = spec_factory("mtp", None, 3, "constant")(None)  # the MTP layers load from the target at its first call
+    assert (spec.method, spec.num_speculative_tokens) == ("mtp", 3)
     assert main(["serve", "unused-model", "--method", "draft"]) == 2
