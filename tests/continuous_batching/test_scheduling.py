@@ -3,7 +3,9 @@ cancelling or finishing a request frees all its blocks (draft slots and the draf
 
 from __future__ import annotations
 
+import sys
 import time
+from pathlib import Path
 
 import pytest
 from cb_helpers import (
@@ -35,12 +37,22 @@ def free_sectors(cache) -> int:
     return cache.pool.num_free_sectors
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft"])
-def test_requests_added_while_others_decode_and_cancel(target, method):
+@pytest.fixture(scope="module")
+def mtp_target():
+    """A tiny GLM-4.5 with MTP layers (tests/proposers/test_mtp.py)."""
+    sys.path.insert(0, str(Path(__file__).parent.parent / "proposers"))
+    from test_mtp import make_mtp_target
+
+    return make_mtp_target("glm4_moe")
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft", "mtp"])
+def test_requests_added_while_others_decode_and_cancel(target, mtp_target, method):
+    target, mtp = mtp_target if method == "mtp" else (target, None)
     gen = greedy_config(max_new_tokens=40, eos_token_id=-1)
     plain = tokens(target.generate_batch(PROMPTS, gen, continuous_batching_config=cb_config()))
     draft = target if method == "draft" else None  # the target as its own draft: long accepted blocks
-    spec = hf_specdec.SpecDecoder(method=method, draft_model=draft, num_speculative_tokens=3)
+    spec = hf_specdec.SpecDecoder(method=method, draft_model=draft, mtp_model=mtp, num_speculative_tokens=3)
     manager = target.init_continuous_batching(gen, cb_config(), spec_decoder=spec)
     manager.start()
     try:
@@ -70,9 +82,11 @@ def test_requests_added_while_others_decode_and_cancel(target, method):
         assert not processor.scheduler.active_requests and not processor.scheduler.waiting_requests
         # Every block went back: the target's (draft slots included) and the draft model's own
         assert free_sectors(processor.cache) == processor.cache.num_sectors
-        if method == "draft":
+        if method != "ngram":
             assert not processor.proposer.requests
             assert free_sectors(processor.proposer.cache) == processor.proposer.cache.num_sectors
+        if method == "mtp":
+            assert not processor.proposer.stash  # the target's hidden states kept for the MTP layer went too
         stats = processor.spec_stats
     finally:
         manager.stop(block=True, timeout=10)
@@ -98,13 +112,19 @@ def run_two_waves(target, spec):
     return first.generated_tokens, second.generated_tokens, hashed
 
 
-def test_prefix_sharing_of_blocks_completed_while_speculating(target):
+@pytest.mark.parametrize("method", ["draft", "mtp"])
+def test_prefix_sharing_of_blocks_completed_while_speculating(target, mtp_target, method):
     """Blocks completed while speculating (rejected drafts were written into them) are offered for prefix sharing
-    as plain CB offers them, and a later request reusing them gets plain CB's tokens."""
+    as plain CB offers them, and a later request reusing them gets plain CB's tokens. With MTP the reused prompt
+    tokens have no hidden states from the target (their MTP entries are fed zeros)."""
+    if method == "mtp":
+        target, mtp = mtp_target
+        spec = hf_specdec.SpecDecoder(method="mtp", mtp_model=mtp, num_speculative_tokens=5)
+    else:
+        spec = hf_specdec.SpecDecoder(
+            draft_model=make_model("llama", seed=1, layers=1, hidden=32), num_speculative_tokens=5
+        )
     plain = run_two_waves(target, None)
-    spec = hf_specdec.SpecDecoder(
-        draft_model=make_model("llama", seed=1, layers=1, hidden=32), num_speculative_tokens=5
-    )
     speculative = run_two_waves(target, spec)
     assert speculative[:2] == plain[:2]
     assert speculative[2] == plain[2] >= 4  # decoded blocks were offered, as plain CB offers them
