@@ -2,7 +2,7 @@
 
 A CB proposer works on transformers' `RequestState`s (token lists on the host, one per request, arriving and leaving
 at any step) rather than on the padded tensors of `generate`. The draft model, which keeps its own paged KV cache,
-lives in `draft_model.py`.
+lives in `draft_model.py`; the target's MTP layers, on the same machinery, in `mtp.py`.
 """
 
 from __future__ import annotations
