@@ -119,12 +119,12 @@ class CacheView:
         self.cached_lengths = self.cached_lengths + num_new
         return logits.float()
 
-    def forward_newest(self, token_ids: torch.Tensor) -> torch.Tensor | None:  # [B, 1, V] float32, or None
-        """Feed each row's newest token (the buffer index at its cached length) as a plain decoding step does, and
-        keep it. The host's copy of the columns says that every such token is real (past the left padding), so the
-        slots, positions and mask take a handful of operations where `forward` builds room for drafts; nothing is
-        logged for a rollback, since nothing fed here is rolled back. None when the host has no copy (call
-        `forward`)."""
+    def forward_newest(self, token_ids: torch.Tensor, keep: bool = True) -> torch.Tensor | None:  # [B, 1, V] or None
+        """Feed each row's newest token (the buffer index at its cached length), as a plain decoding step does. The
+        host's copy of the columns says that every such token is real (past the left padding), so the slots,
+        positions and mask take a handful of operations where `forward` builds room for drafts. `keep`: nothing fed
+        here is rolled back (a plain step), so nothing is logged for a rollback; otherwise (a draft's one-token
+        forward) it is logged as `forward` logs it. None when the host has no copy (call `forward`)."""
         host = self.host
         if host is None or type(self).forward is not CacheView.forward or not np.all(host.cached >= host.pad):
             return None
@@ -135,7 +135,10 @@ class CacheView:
         keys = torch.cat([self.column_index, index], dim=1)  # [B, W + 1]
         mask = None if self.aligned else self._attention_mask(index, keys, all_real=True)
         logits = self.run_model(input_ids, mask, position_ids, 0)
-        host.kept_newest(self.width)
+        if keep:
+            host.kept_newest(self.width)
+        else:
+            host.fed(self.width, np.ones_like(host.cached))
         self.column_index = keys
         self.cached_lengths = self.cached_lengths + 1
         return logits.float()

@@ -189,16 +189,22 @@ class DraftModelProposer(Proposer):
                 logits = self.view.forward(batch.token_ids, num_new, width=1)  # [B, 1, V]
                 last = logits[rows, (num_new - 1).clamp(min=0)]  # [B, V]
             else:
-                num_new = torch.where(drafting, lengths - self.view.cached_lengths, 0)  # [B]
                 host_new = None
                 if host is not None:
                     host_new = np.where(host_budget > j, host - self.view.host.cached, 0)  # [B] num_new, on the host
                     host += host_budget > j
-                if host_new is not None and np.max(host_new) > 2:  # a backlog: each row reads its last slot's logits
-                    last = self._last_logits(batch, num_new, host_new)  # [B, V]
+                newest = None  # every row feeds one token: plain decoding's few operations (`forward_newest`)
+                if host_new is not None and np.all(host_new == 1):
+                    newest = self.view.forward_newest(batch.token_ids, keep=False)  # [B, 1, V] or None
+                if newest is not None:
+                    last = newest[:, 0]  # [B, V]
                 else:
-                    logits = self.view.forward(batch.token_ids, num_new, host_num_new=host_new)  # [B, w, V]
-                    last = logits[rows, (num_new - 1).clamp(min=0)]  # [B, V]
+                    num_new = torch.where(drafting, lengths - self.view.cached_lengths, 0)  # [B]
+                    if host_new is not None and np.max(host_new) > 2:  # a backlog: each row's last slot only
+                        last = self._last_logits(batch, num_new, host_new)  # [B, V]
+                    else:
+                        logits = self.view.forward(batch.token_ids, num_new, host_num_new=host_new)  # [B, w, V]
+                        last = logits[rows, (num_new - 1).clamp(min=0)]  # [B, V]
             scores = sampling.process(batch.token_ids, lengths[:, None], drafting[:, None], last[:, None])[:, 0]
             if sampling.do_sample:
                 probs = torch.softmax(scores, dim=-1)  # [B, V]

@@ -88,3 +88,39 @@ def test_dynamic_catch_up_after_plain_steps_runs_in_fixed_widths(monkeypatch, ba
     assert spec.last_stats.num_draft_tokens > 0
     assert set(draft_widths) <= {1, 2, *draft_model.CATCH_UP_WIDTHS}, draft_widths
     assert set(draft_widths) & set(draft_model.CATCH_UP_WIDTHS[:-1]), draft_widths  # a wide catch-up ran
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_one_token_draft_forwards_take_plain_decodings_path_and_draft_the_same(monkeypatch, batch):
+    """When every row feeds the draft one token (its drafts after the first), the draft's forward is plain
+    decoding's (`CacheView.forward_newest(keep=False)`: a few operations, logged for the rollback). A noisy draft
+    (ragged acceptance, so rollbacks cut into those forwards) drafts exactly what `CacheView.forward` makes it
+    draft: the same accepted counts per position, call after call."""
+    from hf_specdec.cache import CacheView
+
+    target = make_model("llama", seed=0)
+    draft = make_noisy_copy(target, noise=0.05, seed=3)
+    inputs = make_prompts(batch, seed=5, min_len=3, max_len=14)
+    gen = dict(max_new_tokens=24, do_sample=False, eos_token_id=None)
+    newest = CacheView.forward_newest
+    calls = []
+
+    def counted(self, token_ids, keep=True):
+        calls.append(keep)
+        return newest(self, token_ids, keep)
+
+    def run():
+        spec = hf_specdec.SpecDecoder(draft_model=draft, num_speculative_tokens=3,
+                                      num_speculative_tokens_schedule="constant")  # fmt: skip
+        outs = [spec_generate(target, inputs, spec, **gen) for _ in range(2)]
+        stats = spec.last_stats
+        return outs, (stats.num_draft_tokens, stats.num_accepted_tokens, stats.accepted_per_position)
+
+    monkeypatch.setattr(CacheView, "forward_newest", counted)
+    fast_outs, fast = run()
+    assert False in calls
+    monkeypatch.setattr(CacheView, "forward_newest", lambda self, token_ids, keep=True: None)  # always `forward`
+    slow_outs, slow = run()
+    expected = target.generate(**inputs, **gen)
+    assert all(torch.equal(out, expected) for out in fast_outs + slow_outs)
+    assert fast == slow and 0 < fast[1] < fast[0]
