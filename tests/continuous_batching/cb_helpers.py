@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import time
 
 import pytest
@@ -54,11 +55,25 @@ def plain_and_spec(model, inputs, spec, generation_config, **cb) -> tuple[dict, 
     return tokens(plain), tokens(spec_out)
 
 
+def next_output(manager, request_id: str, timeout: float = 0.05):
+    """The next output of `request_id`, or None after `timeout`. Other requests' outputs are kept here, in order,
+    for their own calls: `get_result(request_id=...)` puts them back on the queue and returns at once, so a loop
+    over it spins while they wait there, holding the GIL the generation thread needs (its steps then crawl)."""
+    kept = manager.__dict__.setdefault("_test_outputs", collections.defaultdict(collections.deque))
+    if kept[request_id]:
+        return kept[request_id].popleft()
+    result = manager.get_result(timeout=timeout)
+    if result is None or result.request_id == request_id:
+        return result
+    kept[result.request_id].append(result)
+    return None
+
+
 def wait_for(manager, request_id: str, timeout: float = 60.0):
-    """The finished output of `request_id` (other requests' outputs are put back)."""
+    """The finished output of `request_id` (other requests' outputs are kept for their own calls)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        result = manager.get_result(request_id=request_id, timeout=0.05)
+        result = next_output(manager, request_id)
         if result is not None and result.is_finished():
             return result
     raise TimeoutError(f"request {request_id} did not finish in {timeout}s")

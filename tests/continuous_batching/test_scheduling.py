@@ -12,6 +12,7 @@ from cb_helpers import (
     cb_config,
     greedy_config,
     installed,  # noqa: F401 (the autouse fixture)
+    next_output,
     processor_of,
     tokens,
     wait_for,
@@ -60,7 +61,7 @@ def test_requests_added_while_others_decode_and_cancel(target, mtp_target, metho
         # Wait until the first request decodes, then add the others while it runs
         deadline = time.monotonic() + 30
         while True:
-            out = manager.get_result(request_id=first, timeout=0.05)
+            out = next_output(manager, first)
             if out is not None and len(out.generated_tokens) >= 2:
                 break
             assert time.monotonic() < deadline, "the first request never started decoding"
@@ -69,7 +70,7 @@ def test_requests_added_while_others_decode_and_cancel(target, mtp_target, metho
         for i in (1, 2):
             manager.add_request(PROMPTS[i], request_id=f"req_{i}")
         while True:  # cancel the long request once it is decoding (speculating) among the others
-            out = manager.get_result(request_id=doomed, timeout=0.05)
+            out = next_output(manager, doomed)
             if out is not None and len(out.generated_tokens) >= 3:
                 break
             assert time.monotonic() < deadline + 30, "the long request never started decoding"
