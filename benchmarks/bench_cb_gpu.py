@@ -143,6 +143,21 @@ def make_prompts(n: int, length: int, vocab: int, perm: torch.Tensor, copy: bool
     return prompts
 
 
+def build_models(dry_run: bool, alpha: float) -> tuple[str, int, torch.Tensor, LlamaForCausalLM, LlamaForCausalLM]:
+    """(device, vocabulary, permutation, decisive target, synthetic draft at `alpha`): tiny float32 models on the
+    CPU for a dry run, else the 8B- and 124M-shaped bf16 pair on the GPU."""
+    if dry_run:
+        device, dtype, vocab, shapes = "cpu", torch.float32, 512, TINY
+    else:
+        device, dtype, vocab, shapes = "cuda", torch.bfloat16, 128_256, SHAPES
+    perm = torch.randperm(vocab, generator=torch.Generator().manual_seed(0)).to(device)
+    target = build(shapes["target"], vocab, device, dtype, seed=0)
+    make_decisive(target, perm)
+    draft = build(shapes["draft"], vocab, device, dtype, seed=1)
+    make_synthetic(draft, perm, alpha)
+    return device, vocab, perm, target, draft
+
+
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -201,18 +216,12 @@ def main() -> None:
     args = parser.parse_args()
 
     if args.dry_run:
-        device, dtype, vocab, shapes = "cpu", torch.float32, 512, TINY
         args.concurrency, args.new_tokens, args.prompt_len, args.rounds = [2, 4], 16, 24, 1
         cb_config = lambda: ContinuousBatchingConfig(page_size=16, num_blocks=128, max_batch_tokens=256)  # noqa: E731
     else:
-        device, dtype, vocab, shapes = "cuda", torch.bfloat16, 128_256, SHAPES
         cb_config = lambda: None  # noqa: E731 (transformers' defaults, resolved per manager)
     hf_specdec.install()
-    perm = torch.randperm(vocab, generator=torch.Generator().manual_seed(0)).to(device)
-    target = build(shapes["target"], vocab, device, dtype, seed=0)
-    make_decisive(target, perm)
-    draft = build(shapes["draft"], vocab, device, dtype, seed=1)
-    make_synthetic(draft, perm, args.alpha)
+    device, vocab, perm, target, draft = build_models(args.dry_run, args.alpha)
     gen = GenerationConfig(max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
 
     results = []

@@ -22,7 +22,7 @@ from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 import hf_specdec
-from benchmarks.bench_cb_gpu import SHAPES, TINY, build, eager, make_decisive, make_prompts, make_synthetic, run_once
+from benchmarks.bench_cb_gpu import build_models, eager, make_prompts, run_once
 from hf_specdec.attention_backends import without_cudnn_attention
 from hf_specdec.continuous_batching import compat
 from hf_specdec.continuous_batching.draft_model import DraftModelCBProposer
@@ -96,17 +96,11 @@ def main() -> None:
     parser.add_argument("--torch-profile", action="store_true", help="also print torch.profiler's top operators")
     args = parser.parse_args()
     if args.dry_run:
-        device, dtype, vocab, shapes = "cpu", torch.float32, 512, TINY
         cb_config = lambda: ContinuousBatchingConfig(page_size=16, num_blocks=512, max_batch_tokens=512)  # noqa: E731
     else:
-        device, dtype, vocab, shapes = "cuda", torch.bfloat16, 128_256, SHAPES
         cb_config = lambda: None  # noqa: E731
     hf_specdec.install()
-    perm = torch.randperm(vocab, generator=torch.Generator().manual_seed(0)).to(device)
-    target = build(shapes["target"], vocab, device, dtype, seed=0)
-    make_decisive(target, perm)
-    draft = build(shapes["draft"], vocab, device, dtype, seed=1)
-    make_synthetic(draft, perm, args.alpha)
+    device, vocab, perm, target, draft = build_models(args.dry_run, args.alpha)
     gen = GenerationConfig(max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
     prompts = make_prompts(args.concurrency, args.prompt_len, vocab, perm.cpu(), False, args.new_tokens, seed=1)
     spec = hf_specdec.SpecDecoder(draft_model=draft, num_speculative_tokens=args.k,
