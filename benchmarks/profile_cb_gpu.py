@@ -34,7 +34,7 @@ COUNTS: collections.Counter = collections.Counter()
 
 
 def sync() -> None:
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and not torch.cuda.is_current_stream_capturing():  # a draft forward being captured
         torch.cuda.synchronize()
 
 

@@ -104,7 +104,7 @@ GRAPHS: type = CudaGraphs
 
 
 @contextlib.contextmanager
-def _no_garbage_collection() -> Iterator[None]:
+def no_garbage_collection() -> Iterator[None]:
     """The garbage collector off during a capture: a collection could destroy another call's graph mid-capture
     (`torch.cuda.graph` collects once before it begins)."""
     was_enabled = gc.isenabled()
@@ -287,7 +287,7 @@ class StepGraph:
         graph = GRAPHS.new()
         try:
             # One capture at a time; other threads' work goes on meanwhile and stays out of the graph (`locks`).
-            with CAPTURE_LOCK, _no_garbage_collection(), GRAPHS.capture(graph):
+            with CAPTURE_LOCK, no_garbage_collection(), GRAPHS.capture(graph):
                 self.step()
                 rebinds = self._copy_back(tensors_before)
             host_deltas = self._host_deltas(owners, hosts_before)

@@ -32,6 +32,7 @@ from transformers.generation.continuous_batching.requests import (
     RequestStatus,
 )
 from transformers.generation.continuous_batching.scheduler import Scheduler
+from transformers.generation.continuous_batching.utils import pad_to_interval
 
 __all__ = [
     "MIN_TRANSFORMERS",
@@ -50,8 +51,10 @@ __all__ = [
     "Scheduler",
     "check_transformers_version",
     "continuous_api",
+    "graph_key",
     "new_draft_ios",
     "new_tokens_left",
+    "pad_to_interval",
 ]
 
 #: The first transformers release whose continuous batching this package speculates in.
@@ -89,6 +92,11 @@ def new_draft_ios(
         model_dtype=dtype,
         logit_processor=ContinuousBatchingLogitsProcessorList(LogitsProcessorList()),
     )
+
+
+def graph_key(ios: ContinuousBatchingIOs) -> tuple[int, ...]:
+    """The key transformers files a captured forward under: the padded query and KV sizes, the padded max lengths."""
+    return ios._get_graph_key()
 
 
 def new_paged_cache(config: Any, cb_config: ContinuousBatchingConfig, device: Any, dtype: Any, helper: Any) -> Any:

@@ -25,6 +25,7 @@ from hf_specdec.continuous_batching.compat import (
     new_draft_ios,
     new_paged_cache,
 )
+from hf_specdec.continuous_batching.draft_graphs import DraftGraphs
 from hf_specdec.continuous_batching.proposers import CBProposer, Drafts, sequence
 from hf_specdec.continuous_batching.sampling import RowSampler
 
@@ -58,6 +59,9 @@ def draft_cache_config(
 
 class DraftModelCBProposer(CBProposer):
     """Drafts with a smaller causal LM sharing the target's vocabulary, batched over the decoding requests."""
+
+    #: Whether the forwards may be captured (`draft_graphs.py`): their inputs are all in the ragged IOs
+    capturable = True
 
     def __init__(
         self,
@@ -93,6 +97,16 @@ class DraftModelCBProposer(CBProposer):
         self.max_batch_tokens = self.cache.max_batch_tokens
         self.max_requests = config.max_requests_per_batch
         self.requests: dict[str, _DraftRequest] = {}
+        self.graphs = None
+        if self.capturable:
+            self.graphs = DraftGraphs.for_device(
+                device,
+                ios=self.ios,
+                q_interval=config.q_padding_interval_size,
+                max_batch_tokens=self.max_batch_tokens,
+                max_tokens_read=self.cache.max_tokens_read,
+                model=self.draft,
+            )
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -117,6 +131,8 @@ class DraftModelCBProposer(CBProposer):
     def reset(self) -> None:
         self.requests.clear()
         self.cache.free_all_requests()
+        if self.graphs is not None:
+            self.graphs.check_model()
 
     def commit(self, state: RequestState, num_accepted: int) -> None:
         entry = self.requests.get(state.request_id)
@@ -137,10 +153,18 @@ class DraftModelCBProposer(CBProposer):
         """The latest forward gave the logits rows of `request_ids`, in order (a hook, as `_fed`)."""
 
     def _forward(self, futures: list[FutureRequestState]) -> torch.Tensor:  # [R, V] for the has_new_token requests
+        """One forward over `futures`: captured at its padded shape where `graphs` allows, else eager. The logits
+        are valid until the next forward."""
         num_q = sum(f.query_length for f in futures)
         max_kv = sum(f.state.position_offset for f in futures)
-        self.ios.prepare_batch_tensors(futures, self.ios_processors, False, num_q, max_kv, use_padding=False)
-        return self._run(self.ios.get_model_kwargs(use_padding=False), futures)
+        padded = self.graphs.padded(num_q, max_kv) if self.graphs is not None else None
+        if padded is None:
+            self.ios.prepare_batch_tensors(futures, self.ios_processors, False, num_q, max_kv, use_padding=False)
+            return self._run(self.ios.get_model_kwargs(use_padding=False), futures)
+        rows = sum(1 for f in futures if f.has_new_token)
+        self.ios.prepare_batch_tensors(futures, self.ios_processors, False, *padded, use_padding=True)
+        kwargs = self.ios.get_model_kwargs(use_padding=True)
+        return self.graphs.run(lambda: self._run(kwargs, futures))[:rows]  # [R, V] of the padded [S, V]
 
     def _run(self, kwargs: dict, futures: list[FutureRequestState]) -> torch.Tensor:  # [R, V]
         """One forward of the drafting layers over the ragged batch `kwargs` (transformers' paged arguments)."""
@@ -180,6 +204,8 @@ class DraftModelCBProposer(CBProposer):
                 if take < missing:
                     rest.append((entry, seq))
             logits = self._forward(futures)
+            if rest:  # the next chunk's forward may overwrite these logits (a replayed graph's output)
+                logits = logits.clone()
             rows = [f.state.request_id for f in futures if f.has_new_token]
             self._ran(rows)
             for row, request_id in enumerate(rows):

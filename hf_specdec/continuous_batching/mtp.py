@@ -88,6 +88,9 @@ class HiddenStash:
 class MtpCBProposer(DraftModelCBProposer):
     """Drafts with MTP layer 0 of the target, batched over the decoding requests (see the module doc)."""
 
+    #: Each forward feeds hidden states built for it (not in the ragged IOs): eager
+    capturable = False
+
     def __init__(
         self,
         target: torch.nn.Module,
