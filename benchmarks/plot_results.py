@@ -6,7 +6,8 @@ compiled static-cache path (`bench_gpu_compiled.py`); `--default docs/results/de
 no-flag default (`bench_gpu_default.py`); `--profile docs/results/profile_batched_h100.json` for the batched step
 (`profile_batched_gpu.py`; the figure is named after the file); `--threads docs/results/threads_h100.json` for threads (`bench_threads_gpu.py`);
 `--methods docs/results/sampling_h100_*.json docs/results/default_h100_ngram_reuse.json docs/results/mtp_h100.json`
-for every method's captured step (issue 26).
+for every method's captured step (issue 26); `--cb docs/results/cb_h100_graphs_estimate.json ...` for continuous
+batching (`bench_cb_gpu.py`; each file one bar group, labelled by its name).
 """
 
 from __future__ import annotations
@@ -187,6 +188,29 @@ def plot_methods(default_files: list[Path], mtp_files: list[Path], out: Path) ->
     fig.savefig(out / "methods_h100.png", dpi=110)
 
 
+def plot_cb(files: list[Path], out: Path) -> None:
+    """Speculative CB over plain CB on the same kernels, per (workload, requests): median and worst round."""
+    runs = {f.stem: json.loads(f.read_text()) for f in files}
+    settings = sorted({(r["workload"], r["concurrency"]) for d in runs.values() for r in d["results"]})
+    fig, ax = plt.subplots(figsize=(11, 4))
+    width = 0.8 / len(runs)
+    for i, (name, data) in enumerate(runs.items()):
+        rows = {(r["workload"], r["concurrency"]): r for r in data["results"]}
+        xs = [j + (i - (len(runs) - 1) / 2) * width for j, s in enumerate(settings) if s in rows]
+        med = [rows[s]["speedup_vs_plain_same_kernel"] for s in settings if s in rows]
+        worst = [rows[s]["speedup_vs_plain_same_kernel_min"] for s in settings if s in rows]
+        ax.bar(xs, med, width, label=name.removeprefix("cb_h100_"))
+        ax.scatter(xs, worst, marker="_", s=200, color="black", zorder=3, label="worst round" if i == 0 else None)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xticks(range(len(settings)), [f"{w}\n{n} requests" for w, n in settings], fontsize=8)
+    ax.set_ylabel("tokens/s over plain CB (same kernels)")
+    device = next(iter(runs.values()))["meta"]["device"]
+    ax.set_title(f"Speculative continuous batching, 8B-shaped target, 256-token answers, {device}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "cb_h100.png", dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("rejection", nargs="?")
@@ -202,6 +226,7 @@ def main() -> None:
         default=[],
         help="bench_gpu_default.py and bench_mtp_gpu.py JSON files (names with 'mtp' are MTP runs)",
     )
+    parser.add_argument("--cb", nargs="+", type=Path, default=[], help="bench_cb_gpu.py JSON files")
     parser.add_argument("--out", default="docs")
     args = parser.parse_args()
     out = Path(args.out)
@@ -217,6 +242,8 @@ def main() -> None:
         plot_profile(json.loads(args.profile.read_text()), out, args.profile.stem + ".png")
     if args.threads:
         plot_threads(json.loads(args.threads.read_text()), out)
+    if args.cb:
+        plot_cb(args.cb, out)
     if args.methods:
         mtp = [f for f in args.methods if "mtp" in f.stem]
         plot_methods([f for f in args.methods if f not in mtp], mtp, out)
