@@ -216,8 +216,13 @@ def main() -> None:
     parser.add_argument("--schedule", default="adaptive", help="num_speculative_tokens_schedule")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--workloads", nargs="+", default=["draft", "useless_draft", "ngram_copy"])
-    parser.add_argument("--baselines", nargs="+", default=list(BASELINES), choices=BASELINES,
-                        help="the plain CB sides to time each round (the first gives the reference tokens)")
+    parser.add_argument(
+        "--baselines",
+        nargs="+",
+        default=list(BASELINES),
+        choices=BASELINES,
+        help="the plain CB sides to time each round (the first gives the reference tokens)",
+    )
     parser.add_argument("--out", default="bench_cb_gpu.json")
     args = parser.parse_args()
 

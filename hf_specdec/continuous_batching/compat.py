@@ -54,6 +54,7 @@ __all__ = [
     "graph_key",
     "new_draft_ios",
     "new_tokens_left",
+    "pad_max_lengths_for_graphs",
     "pad_to_interval",
 ]
 
@@ -97,6 +98,12 @@ def new_draft_ios(
 def graph_key(ios: ContinuousBatchingIOs) -> tuple[int, ...]:
     """The key transformers files a captured forward under: the padded query and KV sizes, the padded max lengths."""
     return ios._get_graph_key()
+
+
+def pad_max_lengths_for_graphs(ios: ContinuousBatchingIOs) -> None:
+    """Make `ios.get_model_kwargs(use_padding=True)` pad `max_length_k` to a power of two, as it does for transformers'
+    own captured forwards (a Python number a captured forward keeps, and part of its key)."""
+    ios.use_cuda_graph_varlen = True
 
 
 def new_paged_cache(config: Any, cb_config: ContinuousBatchingConfig, device: Any, dtype: Any, helper: Any) -> Any:

@@ -29,7 +29,12 @@ from collections.abc import Callable, Hashable
 import torch
 
 from hf_specdec import model_guard, step_graph
-from hf_specdec.continuous_batching.compat import ContinuousBatchingIOs, graph_key, pad_to_interval
+from hf_specdec.continuous_batching.compat import (
+    ContinuousBatchingIOs,
+    graph_key,
+    pad_max_lengths_for_graphs,
+    pad_to_interval,
+)
 from hf_specdec.locks import CAPTURE_LOCK
 
 #: The widest padded query a draft forward is captured at: the one-token forwards of up to 256 requests and the
@@ -70,7 +75,7 @@ class DraftGraphs:
         self.seen: set[Hashable] = set()  # keys run eagerly once
         self.replays = 0
         self._fingerprint = model_guard.fingerprint([model])
-        ios.use_cuda_graph_varlen = True  # get_model_kwargs pads max_length_k to a power of two (a graph key part)
+        pad_max_lengths_for_graphs(ios)
 
     @classmethod
     def for_device(cls, device: torch.device, **kwargs: object) -> DraftGraphs | None:

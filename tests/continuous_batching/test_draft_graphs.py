@@ -59,7 +59,9 @@ def test_captured_draft_forwards_give_plain_tokens_and_the_eager_drafts(emulated
     made.clear()
     with pytest.MonkeyPatch.context() as patch:  # the same run with eager forwards only
         patch.setattr(draft_graphs, "MAX_CAPTURED_TOKENS", 0)
-        eager = tokens(target.generate_batch(PROMPTS, config, continuous_batching_config=cb_config(), spec_decoder=spec))
+        eager = tokens(
+            target.generate_batch(PROMPTS, config, continuous_batching_config=cb_config(), spec_decoder=spec)
+        )
     assert eager == plain and sum(g.replays for g in made) == 0
     assert spec.last_stats.num_draft_tokens == captured_stats.num_draft_tokens
     assert spec.last_stats.num_accepted_tokens == captured_stats.num_accepted_tokens
@@ -77,7 +79,9 @@ def test_a_capture_cuda_would_refuse_runs_eagerly_with_a_warning(emulated_graphs
     target, draft = _pair()
     reads = []
     draft.model.layers[0].register_forward_hook(lambda m, a, out: reads.append(out[0].sum().item()))  # a host read
-    spec = hf_specdec.SpecDecoder(draft_model=draft, num_speculative_tokens=3, num_speculative_tokens_schedule="constant")
+    spec = hf_specdec.SpecDecoder(
+        draft_model=draft, num_speculative_tokens=3, num_speculative_tokens_schedule="constant"
+    )
     with pytest.warns(UserWarning, match="run eagerly: capturing one failed"):
         plain, out = plain_and_spec(target, PROMPTS, spec, greedy_config(max_new_tokens=20, eos_token_id=-1))
     assert out == plain
@@ -86,7 +90,9 @@ def test_a_capture_cuda_would_refuse_runs_eagerly_with_a_warning(emulated_graphs
 
 def test_graphs_are_dropped_when_the_draft_changes(emulated_graphs, made):
     target, draft = _pair()
-    spec = hf_specdec.SpecDecoder(draft_model=draft, num_speculative_tokens=3, num_speculative_tokens_schedule="constant")
+    spec = hf_specdec.SpecDecoder(
+        draft_model=draft, num_speculative_tokens=3, num_speculative_tokens_schedule="constant"
+    )
     plain_and_spec(target, PROMPTS[:3], spec, greedy_config(max_new_tokens=16, eos_token_id=-1))
     graphs = made[-1]
     assert graphs.graphs
