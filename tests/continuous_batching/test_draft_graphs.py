@@ -108,3 +108,19 @@ def test_kv_bucket_pads_by_at_most_a_quarter():
         padded = kv_bucket(size, 1 << 30)
         assert padded >= size and (padded - size <= max(draft_graphs.MIN_KV_STEP, size // 4))
     assert kv_bucket(0, 4096) == 0 and kv_bucket(5000, 4096) == 4096
+
+
+def test_sampling_with_captured_draft_forwards_draws_what_eager_forwards_draw(emulated_graphs, made):
+    """Sampling reads the draft's probabilities from the replayed logits: with one seed, the same tokens as eager
+    forwards (draws are keyed by request and position, so equal drafts give equal outputs)."""
+    target, draft = _pair()
+    config = greedy_config(max_new_tokens=24, eos_token_id=-1, do_sample=True, temperature=0.8, top_p=0.9)
+    spec = hf_specdec.SpecDecoder(draft_model=draft, num_speculative_tokens=3, seed=7)
+    captured = tokens(target.generate_batch(PROMPTS, config, continuous_batching_config=cb_config(), spec_decoder=spec))
+    assert sum(g.replays for g in made) > 5
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(draft_graphs, "MAX_CAPTURED_TOKENS", 0)
+        eager = tokens(
+            target.generate_batch(PROMPTS, config, continuous_batching_config=cb_config(), spec_decoder=spec)
+        )
+    assert captured == eager
