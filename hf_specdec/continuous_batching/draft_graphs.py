@@ -87,7 +87,7 @@ class DraftGraphs:
         if not self.enabled:
             return None
         q = pad_to_interval(num_q, self.q_interval, self.max_batch_tokens)
-        if q > MAX_CAPTURED_TOKENS or q < num_q:
+        if q > MAX_CAPTURED_TOKENS:
             return None
         return q, kv_bucket(max_kv, self.max_tokens_read)
 

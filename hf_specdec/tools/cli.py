@@ -131,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="default: draft with --draft, else ngram (prompt lookup); mtp: the target's MTP layers")  # fmt: skip
     serve.add_argument("--k", type=_bounded_int(1, 32, "--k"), default=4, help="most drafts per step (default: 4)")
     serve.add_argument("--schedule", default="adaptive", choices=["adaptive", "constant", "heuristic"],
-                       help="per-request draft length: heuristic (+2/-1; what adaptive means in CB) or constant")  # fmt: skip
+                       help="per-request draft length: adaptive (from each request's acceptance, default), heuristic (HF's +2/-1) or constant")  # fmt: skip
     serve.add_argument("--host", default="localhost")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--device", default="auto")
