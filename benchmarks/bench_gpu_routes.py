@@ -1,0 +1,236 @@
+"""Benchmark on one GPU: every drafting route, and the processors and criteria that used to leave the captured step,
+against plain `generate` with the same arguments (issue 39's table: no route below 1.0x plain eager).
+
+The models are `bench_gpu_default.py`'s: an 8B-shaped bf16 Llama target with a clear greedy rule, a 124M-shaped
+synthetic draft right with probability alpha, and `synthetic_eagle3.SyntheticEagle3Head` (an 8B head's real layer,
+`fc` and 32k `lm_head`, proposing what the synthetic draft proposes). Each group runs at one batch size on the same
+prompts (128 tokens, ragged at B > 1, 64 new tokens, greedy):
+
+- `alpha=0.8` and `alpha=0.0`: a draft model and the EAGLE-3 head with no flags (the captured default), the head
+  uncaptured (`HF_SPECDEC_CAPTURE_STEPS=0`), the draft on the eager dynamic path (`cache_implementation="dynamic"`),
+  and the draft with logits processors that used to keep a call off the captured step (`sequence_bias`,
+  `exponential_decay_length_penalty`, `repetition_penalty`) and with host criteria (`max_time` and a criterion of the
+  caller's own), each against plain eager (and compiled plain) `generate` given the same processors or criteria.
+  Each alpha is its own draft object (a shallow copy sharing the weights), as a user's good and useless drafts are.
+- `any`: methods whose acceptance the benchmark does not set: prompt lookup and suffix decoding on prompts that do
+  not hold the answer (they find little), early exit (the target's first 4 layers and its head: the greedy rule
+  lives in the embeddings, so they draft well) and a random DFlash drafter (2 layers, block 5: it drafts nothing
+  right), each with no flags and uncaptured.
+
+Every arm is called once in a warm-up round (its first call, reported), then `--rounds` rounds time every arm once in
+turn, with a fresh `SpecDecoder` per call and no library state reset. Reported per arm: the ratio to its baseline per
+round (min and median), tokens/s, acceptance, drafting share and graph replays of its last call, and whether every
+output equals its baseline's.
+
+Run (GPU): `PYTHONPATH=. python benchmarks/bench_gpu_routes.py --batches 1 --out routes_b1.json` (and
+`--batches 16`); `--dry-run` runs it tiny on the CPU (the no-flag arms on static caches, the CPU's route to the
+captured step's code).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import transformers
+from transformers import StoppingCriteria
+
+import hf_specdec
+from benchmarks import bench_gpu_e2e as e2e
+from benchmarks.bench_gpu_default import setup
+from hf_specdec.cache_route import CAPTURE_ENV
+
+K = 4
+EARLY_EXIT_LAYERS = 4
+
+
+class NeverStops(StoppingCriteria):
+    """A caller's own criterion: called after every token, as plain `generate` calls it, and never stops a row."""
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:  # noqa: ANN003
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def processor_kwargs(vocab: int) -> dict:
+    """Processors that used to keep a call off the captured step. EOS (for the length penalty) and the biased
+    sequences are tokens the decisive target never writes here, so the greedy output stays the rule's."""
+    return dict(sequence_bias={(vocab - 1,): -2.0, (vocab - 2, vocab - 3): -1.0},
+                exponential_decay_length_penalty=(8, 1.01), eos_token_id=2, repetition_penalty=1.05)  # fmt: skip
+
+
+def criteria_kwargs() -> dict:
+    return dict(max_time=600.0, stopping_criteria=transformers.StoppingCriteriaList([NeverStops()]))
+
+
+def dflash_drafter(target):  # noqa: ANN001, ANN201
+    """A random DFlash drafter (`MuseGlimmerAssistantModel`) for `target`: 2 layers of the target's width, block 5,
+    reading 3 of its layers' states."""
+    from transformers import MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
+
+    text = target.config
+    layers = text.num_hidden_layers
+    config = MuseGlimmerAssistantConfig(
+        vocab_size=text.vocab_size, hidden_size=text.hidden_size, intermediate_size=text.intermediate_size,
+        num_hidden_layers=2, num_attention_heads=text.num_attention_heads,
+        num_key_value_heads=text.num_key_value_heads, head_dim=text.hidden_size // text.num_attention_heads,
+        max_position_embeddings=text.max_position_embeddings, sliding_window=4096,
+        layer_types=["sliding_attention", "full_attention"], block_size=K + 1, mask_token_id=3,
+        target_layer_ids=sorted({1, layers // 2, layers - 2}),
+    )  # fmt: skip
+    torch.manual_seed(5)
+    with torch.device(e2e.DEVICE):
+        drafter = MuseGlimmerAssistantModel._from_config(config, attn_implementation="sdpa", dtype=target.dtype)
+    return drafter.eval()
+
+
+def arms_for(group: str, target, draft, head, drafter, inputs: dict, n_new: int) -> dict[str, tuple]:  # noqa: ANN001
+    """name -> (call, baseline name, spec holder); a baseline's own entry has baseline None."""
+    gen = dict(max_new_tokens=n_new, do_sample=False)
+    static = {"cache_implementation": "static"} if e2e.DEVICE == "cpu" else {}  # a dry run: the static path
+    proc, crit = processor_kwargs(target.config.vocab_size), criteria_kwargs()
+
+    def plain(**extra) -> Callable[[], torch.Tensor]:  # noqa: ANN003
+        return lambda: target.generate(**inputs, **gen, **extra)
+
+    def ours(holder: dict, make_spec: Callable[[], hf_specdec.SpecDecoder], env: dict | None = None,
+             **extra) -> Callable[[], torch.Tensor]:  # noqa: ANN003  # fmt: skip
+        def call() -> torch.Tensor:
+            spec = holder["spec"] = make_spec()
+            os.environ.update(env or {})
+            try:
+                kwargs = {**static, **extra} if "cache_implementation" not in extra else extra
+                return target.generate(**inputs, **gen, **kwargs, custom_generate=hf_specdec.generate,
+                                       spec_decoder=spec)  # fmt: skip
+            finally:
+                for key in env or {}:
+                    os.environ.pop(key, None)
+
+        return call
+
+    uncaptured = {CAPTURE_ENV: "0"}
+    arms: dict[str, tuple] = {"plain_eager": (plain(), None, None),
+                              "plain_compiled": (plain(cache_implementation="static"), None, None)}  # fmt: skip
+
+    def add(name: str, baseline: str, make_spec: Callable[[], hf_specdec.SpecDecoder], env: dict | None = None,
+            **extra) -> None:  # noqa: ANN003  # fmt: skip
+        holder: dict = {}
+        arms[name] = (ours(holder, make_spec, env, **extra), baseline, holder)
+
+    if group == "any":
+        for method in ("ngram", "suffix"):
+            add(method, "plain_eager", lambda m=method: hf_specdec.SpecDecoder(method=m, num_speculative_tokens=K))
+        early = lambda: hf_specdec.SpecDecoder(early_exit_layers=EARLY_EXIT_LAYERS, num_speculative_tokens=K)  # noqa: E731
+        add("early_exit", "plain_eager", early)
+        add("early_exit_uncaptured", "plain_eager", early, uncaptured)
+        dflash = lambda: hf_specdec.SpecDecoder(method="dflash", draft_model=drafter)  # noqa: E731
+        add("dflash", "plain_eager", dflash)
+        add("dflash_uncaptured", "plain_eager", dflash, uncaptured)
+        return arms
+    with_draft = lambda: hf_specdec.SpecDecoder(draft_model=draft, num_speculative_tokens=K)  # noqa: E731
+    with_head = lambda: hf_specdec.SpecDecoder(draft_head=head, num_speculative_tokens=K)  # noqa: E731
+    add("draft", "plain_eager", with_draft)
+    add("draft_dynamic", "plain_eager", with_draft, cache_implementation="dynamic")
+    add("eagle3", "plain_eager", with_head)
+    add("eagle3_uncaptured", "plain_eager", with_head, uncaptured)
+    arms["plain_eager_processors"] = (plain(**proc), None, None)
+    add("draft_processors", "plain_eager_processors", with_draft, **proc)
+    arms["plain_eager_criteria"] = (plain(**crit), None, None)
+    add("draft_criteria", "plain_eager_criteria", with_draft, **crit)
+    return arms
+
+
+def with_alpha(model, alpha: float):  # noqa: ANN001, ANN201
+    """A new model object sharing `model`'s weights, right with probability alpha (a user's second draft)."""
+    clone = copy.copy(model)
+    clone.alpha = alpha
+    return clone
+
+
+def run_group(name: str, arms: dict[str, tuple], batch: int, n_new: int, rounds: int) -> dict:
+    """A warm-up round (first calls), then `rounds` interleaved rounds of every arm."""
+    seconds: dict[str, list[float]] = {key: [] for key in arms}
+    first: dict[str, float] = {}
+    reference: dict[str, torch.Tensor] = {}
+    identical: dict[str, bool] = {}
+    with torch.no_grad():
+        for key, (fn, _, _) in arms.items():
+            e2e.sync()
+            start = time.perf_counter()
+            reference[key] = fn()
+            e2e.sync()
+            first[key] = time.perf_counter() - start
+        for key, (_, base, _) in arms.items():
+            if base is not None:
+                identical[key] = torch.equal(reference[key], reference[base])
+        arms["plain_compiled"][0]()  # its second call compiles again
+        for _ in range(rounds):
+            for key, (fn, base, _) in arms.items():
+                e2e.sync()
+                start = time.perf_counter()
+                out = fn()
+                e2e.sync()
+                seconds[key].append(time.perf_counter() - start)
+                if base is not None:
+                    identical[key] = identical[key] and torch.equal(out, reference[base])
+    rows = {}
+    for key, (_, base, holder) in arms.items():
+        row: dict = dict(tps_median=statistics.median(batch * n_new / s for s in seconds[key]), first_call_s=first[key])
+        if base is not None:
+            for against in {base, "plain_compiled"}:
+                per_round = [b / o for b, o in zip(seconds[against], seconds[key])]
+                row[f"vs_{against}"] = dict(min=min(per_round), median=statistics.median(per_round),
+                                            rounds=per_round)  # fmt: skip
+            s = holder["spec"].last_stats
+            row.update(identical=identical[key], acceptance=s.acceptance_rate,
+                       drafting_share=s.num_drafting_row_steps / max(1, s.num_row_steps), steps=s.num_steps,
+                       replays=s.num_graph_replays)  # fmt: skip
+        rows[key] = row
+    brief = {key: (round(r[f"vs_{arms[key][1]}"]["min"], 2), round(r[f"vs_{arms[key][1]}"]["median"], 2),
+                   round(r["acceptance"], 2), r["replays"], r["identical"])
+             for key, r in rows.items() if arms[key][1] is not None}  # fmt: skip
+    print(json.dumps({"group": name, "vs_baseline(min, median, acceptance, replays, identical)": brief}), flush=True)
+    return dict(group=name, batch=batch, rows=rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", nargs="+", type=int, default=[1])
+    parser.add_argument("--groups", nargs="+", default=["0.8", "0.0", "any"], help="alphas, and 'any'")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--dry-run", "--tiny", action="store_true", dest="tiny", help="tiny shapes on the CPU")
+    args = parser.parse_args()
+    if args.tiny:
+        e2e.use_tiny_shapes()
+    global EARLY_EXIT_LAYERS
+    EARLY_EXIT_LAYERS = min(EARLY_EXIT_LAYERS, e2e.TARGET_SHAPE["num_hidden_layers"] - 1)
+    results: dict = {"meta": dict(gpu=e2e.device_name(), torch=torch.__version__,
+                                  transformers=transformers.__version__, python=platform.python_version(),
+                                  new_tokens=args.new_tokens, prompt_len=args.prompt_len, rounds=args.rounds,
+                                  command=" ".join(sys.argv)), "groups": []}  # fmt: skip
+    target, draft, all_inputs, head = setup(args.batches, args.new_tokens, args.prompt_len, head=True)
+    drafter = dflash_drafter(target) if "any" in args.groups else None
+    for batch in args.batches:
+        for group in args.groups:
+            alpha = None if group == "any" else float(group)
+            arms = arms_for(group, target, with_alpha(draft, alpha or 0.0), with_alpha(head, alpha or 0.0), drafter,
+                            all_inputs[batch], args.new_tokens)  # fmt: skip
+            results["groups"].append(run_group(f"B={batch} alpha={group}", arms, batch, args.new_tokens,
+                                               args.rounds))  # fmt: skip
+            if args.out:  # after each group, so a run cut short keeps what it measured
+                with open(args.out, "w") as f:
+                    json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
