@@ -125,7 +125,9 @@ class SpeculativeLoop:
         self.sampling = sampling
         self.stop_rules = stop_rules
         self.k = num_speculative_tokens
-        self.max_length = max_length
+        self.max_length = max_length  # the host's; device work reads `length_limit`
+        #: max_length as the device reads it, so that kept graphs serve calls of other lengths (`graph_reuse`)
+        self.length_limit = torch.tensor(max_length, device=batch.device)
         self.streamer = streamer
         self.exact = exact  # processors/criteria off the allow-lists: lockstep, scored position by position
         self.stats = SpecDecodeStats()
@@ -178,7 +180,7 @@ class SpeculativeLoop:
         self.step_read: StepRead | None = None  # the dynamic step's one host read (`read_step`)
         #: a GPU's first dynamic call of this model at this batch size: its steps warm up, they are not timed
         self.warming = self.static is None and first_shapes.note(model, ("call", batch.batch_size), batch.device)
-        self.sequences = batch.token_ids[:, :max_length].clone()  # [B_total, max_length] final rows
+        self.sequences = batch.token_ids.clone()  # [B_total, C] final rows (the first max_length columns count)
         self.final_lengths = batch.lengths.clone()  # [B_total] length of each row when it left
         self.streamed = batch.prompt_width
         vocab = None
@@ -222,7 +224,8 @@ class SpeculativeLoop:
         stopping settings. Calls with equal signatures can replay each other's graphs."""
 
         def settings(obj: object) -> tuple:  # a processor or a proposer: its type, scalar settings, small tensors
-            values = [(k, v) for k, v in vars(obj).items() if isinstance(v, (int, float, str))]
+            skip = getattr(obj, "PER_CALL", ())  # numbers the graphs read from tensors instead
+            values = [(k, v) for k, v in vars(obj).items() if isinstance(v, (int, float, str)) and k not in skip]
             values += [(k, tuple(v.reshape(-1).tolist())) for k, v in vars(obj).items()
                        if isinstance(v, torch.Tensor) and v.numel() <= 64 and type(obj).__module__.startswith("transformers")]  # fmt: skip
             return (type(obj).__name__, tuple(sorted(values)))
@@ -235,10 +238,10 @@ class SpeculativeLoop:
         models = tuple(kernels(m) for m in vars(inner).values() if isinstance(m, torch.nn.Module))
         stops = self.stop_rules  # its EOS ids are state (copied in on adoption); whether it has any is a setting
         return (
-            kernels(self.model), self.batch.batch_size, self.batch.capacity, self.max_length, self.k,
+            kernels(self.model), self.batch.batch_size, self.batch.capacity, self.k,
             self.static.max_columns, str(self.batch.device), self.sampling.do_sample,
             tuple(settings(p) for p in self.sampling.pure), tuple(f.key() for f in self.sampling.forms if f),
-            settings(stops), tuple(stops.max_lengths),
+            settings(stops), stops.length_limit is None,
             stops.stop_strings_key(),
             settings(self.proposer), settings(inner), models, type(self.budgets.schedule).__name__,
             os.environ.get(SAMPLER_ENV, ""),  # Triton or torch draws and sampler
@@ -348,7 +351,7 @@ class SpeculativeLoop:
         (the device's copy of what the host does at its read, so that a finished row emits nothing more)."""
         for index in range(self.block):
             if index:
-                self.frozen |= self.stop_rules.done(self.batch) | (self.batch.lengths >= self.max_length)
+                self.frozen |= self.stop_rules.done(self.batch) | (self.batch.lengths >= self.length_limit)
             self.device_step()
 
     def _fits(self) -> bool:
@@ -426,7 +429,7 @@ class SpeculativeLoop:
                 host_room = np.clip(self.max_length - batch.host_lengths - 1, 0, self.k)  # [B]
                 host_budget = self.budgets.host_budgets(batch, host_room)
             if host_budget is None:
-                room = self.max_length - batch.lengths - 1  # [B] drafts that still fit before max_length
+                room = self.length_limit - batch.lengths - 1  # [B] drafts that still fit before max_length
                 max_draft = room.clamp(min=0, max=self.k).masked_fill(self.frozen, 0)  # [B]
                 budget = self.budgets.budgets(batch, max_draft)
             elif host_budget.any():
@@ -548,7 +551,7 @@ class SpeculativeLoop:
         plain = num_kept is None
         done = self.stop_rules.done(batch)  # [B]
         if not plain:  # (a plain step's lengths are known on the host)
-            done = done | (batch.lengths >= self.max_length)
+            done = done | (batch.lengths >= self.length_limit)
         parts = [done.long()] if plain else [num_kept, num_accepted, proposal.num_draft_tokens, done.long()]
         host_criteria = self.stop_rules.host is not None
         if host_criteria:
@@ -620,7 +623,7 @@ class SpeculativeLoop:
                     self._leave(ending, row_ids)
             self.stream()
             return
-        done = self.stop_rules.done(batch) | (batch.lengths >= self.max_length)  # [B]
+        done = self.stop_rules.done(batch) | (batch.lengths >= self.length_limit)  # [B]
         if self.static is not None:
             self._freeze(done)
         elif self.stop_rules.host is not None or done.any():

@@ -120,7 +120,9 @@ class CallPlan:
             if static or is_hybrid(model)  # hybrids: no cache to adopt or hand back (refused above)
             else build_handoff(model, spec, input_ids, config, cache)
         )
-        batch = RaggedBatch.from_prompts(input_ids, decoder_mask, config.max_length + spec.max_speculative_tokens + 1)
+        # Static: the token buffer as wide as the bucketed caches, so that calls of other lengths fit kept graphs.
+        capacity = static.max_columns if static else config.max_length + spec.max_speculative_tokens + 1
+        batch = RaggedBatch.from_prompts(input_ids, decoder_mask, capacity)
         seeds = row_seeds(spec.seed, batch.batch_size)
         agreement = rank_agreement(model)
         if agreement is not None and spec.seed is None:  # drawn from each rank's own generator: take the first's

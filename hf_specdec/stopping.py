@@ -29,6 +29,9 @@ from hf_specdec.host_criteria import HostCriteria
 class StopRules:
     """Stopping state of the rows of one call (the live rows, in batch order)."""
 
+    #: numbers of one call that captured steps never read (they read `length_limit`): not part of a graph signature
+    PER_CALL = ("max_length",)
+
     def __init__(
         self,
         criteria: StoppingCriteriaList,
@@ -46,6 +49,9 @@ class StopRules:
         eos = [c.eos_token_id for c in criteria if type(c) is EosTokenCriteria]
         self.eos_token_ids = torch.cat([e.reshape(-1) for e in eos]) if eos else None  # [E]
         self.max_lengths = [c.max_length for c in criteria if type(c) is MaxLengthCriteria]
+        #: the max-length rule as captured steps read it: a tensor (0-d, the least of `max_lengths`), so that kept
+        #: graphs serve calls of any length that fit their buffers (`graph_reuse`)
+        self.length_limit = torch.tensor(min(self.max_lengths)) if self.max_lengths else None
         #: stop strings, checked on the device: transformers' criterion reads only the last `maximum_token_len` ids
         self.stop_strings = [c for c in criteria if type(c) is StopStringCriteria]
         device_rules = (EosTokenCriteria, MaxLengthCriteria, StopStringCriteria)
@@ -78,6 +84,8 @@ class StopRules:
         self.stopped = self.stopped.to(device)
         self.stop_lengths = self.stop_lengths.to(device)
         self.max_stop_length = self.max_stop_length.to(device)
+        if self.length_limit is not None:
+            self.length_limit = self.length_limit.to(device)
         offsets = torch.arange(width, device=device)  # [w]
         fresh = (offsets < num_emitted[:, None]) & ~self.stopped[:, None]  # [B, w] new tokens still checked
         index = (batch.lengths[:, None] + offsets).clamp(max=batch.capacity - 1)  # [B, w]
@@ -88,8 +96,8 @@ class StopRules:
             new_tokens = batch.token_ids.gather(1, index)
             hit |= torch.isin(new_tokens, self.eos_token_ids.to(device))
         if hits is None:
-            for max_length in self.max_lengths:
-                hit |= index + 1 >= max_length
+            if self.length_limit is not None:
+                hit |= index + 1 >= self.length_limit
             for criterion in self.stop_strings:
                 hit |= _stop_string_hits(criterion, batch.token_ids, index)
         hit &= fresh

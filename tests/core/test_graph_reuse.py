@@ -151,6 +151,36 @@ def test_calls_that_adopt_a_kept_calls_state_give_plain_output(monkeypatch, emul
     graph_reuse.clear(target)
 
 
+@pytest.mark.parametrize("method", ["draft", "ngram", "early_exit"])
+def test_calls_of_other_prompt_and_answer_lengths_adopt_kept_graphs(monkeypatch, emulated_graphs, method):
+    """Calls whose prompts and max_new_tokens differ, within one static-cache length bucket, adopt the graphs a call
+    kept (the max-length rule is a tensor the graphs read, the token buffer as wide as the bucketed caches), and each
+    gives plain's tokens, stopping at its own max_length inside captured steps and plain blocks (CUDA graphs
+    emulated on the CPU: a replay re-runs the captured ops with the capture's Python numbers)."""
+    from conftest import make_model, make_noisy_copy, make_prompts, spec_generate
+
+    import hf_specdec
+    from hf_specdec.step_graph import StepGraph
+
+    monkeypatch.delenv(graph_reuse.REUSE_ENV, raising=False)
+    adopted = []
+    reuse = StepGraph._reuse
+    monkeypatch.setattr(StepGraph, "_reuse", lambda self: (reuse(self), adopted.append(self.entry is not None)))
+    target = make_model("llama", seed=0)
+    draft = make_noisy_copy(target)
+    gen = dict(do_sample=False, eos_token_id=None, cache_implementation="static")
+    for width, max_new_tokens, seed in ((6, 20, 1), (9, 13, 2), (6, 27, 3), (11, 17, 4)):
+        inputs = make_prompts(3, seed=seed, min_len=width - 3, max_len=width)
+        spec = {"draft": lambda: hf_specdec.SpecDecoder(draft_model=draft), "ngram": hf_specdec.SpecDecoder,
+                "early_exit": lambda: hf_specdec.SpecDecoder(early_exit_layers=1)}[method]()  # fmt: skip
+        plain = target.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None)
+        out = spec_generate(target, inputs, spec, max_new_tokens=max_new_tokens, **gen)
+        assert torch.equal(out, plain), (width, max_new_tokens)
+        assert spec.last_stats.num_graph_replays > 0
+    assert adopted == [False, True, True, True]
+    graph_reuse.clear(target)
+
+
 def test_plain_static_generate_between_calls_leaves_kept_graphs_adoptable(monkeypatch, emulated_graphs):
     """Plain `generate(cache_implementation="static")` (compiled plain, what a speed-minded user also calls) keeps
     its cache's bookkeeping on the model (`_previous_max_cache_length`, `_cache`): no forward reads it, so the next

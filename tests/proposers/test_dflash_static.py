@@ -106,9 +106,9 @@ def test_calls_that_adopt_kept_graphs_give_plain_output(emulated_graphs, dflash,
     reuse = StepGraph._reuse
     monkeypatch.setattr(StepGraph, "_reuse", lambda self: (reuse(self), adopted.append(self.entry is not None)))
     target, drafter = dflash
-    gen = dict(max_new_tokens=16, do_sample=False, eos_token_id=None)
-    for batch_size, seed in ((3, 1), (3, 2), (2, 4)):
-        inputs = make_prompts(batch_size, vocab=VOCAB, seed=seed, min_len=6, max_len=6, repetitive=False)
+    for batch_size, seed, width, new in ((3, 1, 6, 16), (3, 2, 9, 11), (2, 4, 6, 16)):  # other lengths adopt too
+        inputs = make_prompts(batch_size, vocab=VOCAB, seed=seed, min_len=width - 2, max_len=width, repetitive=False)
+        gen = dict(max_new_tokens=new, do_sample=False, eos_token_id=None)
         spec = hf_specdec.SpecDecoder(method="dflash", draft_model=drafter, num_speculative_tokens=3)
         assert torch.equal(spec_generate(target, inputs, spec, **gen, cache_implementation="static"),
                            target.generate(**inputs, **gen)), seed  # fmt: skip

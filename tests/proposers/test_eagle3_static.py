@@ -152,8 +152,9 @@ def test_sampling_on_static_caches_follows_the_target_law(tmp_path, monkeypatch)
 
 def test_calls_that_adopt_kept_graphs_give_plain_output(emulated_graphs, agreeing_target, agreeing_heads,
                                                        monkeypatch) -> None:  # fmt: skip
-    """Calls with equal shapes: each later one adopts the graphs and state (the head's static cache among them) that
-    its predecessor kept, and gives plain's tokens; a call of another batch size captures its own."""
+    """Calls of one batch size, with prompts and answers of other lengths in one cache-length bucket: each later one
+    adopts the graphs and state (the head's static cache among them) that its predecessor kept, and gives plain's
+    tokens; a call of another batch size captures its own."""
     from hf_specdec.step_graph import StepGraph
 
     monkeypatch.delenv(graph_reuse.REUSE_ENV, raising=False)  # reuse is on by default
@@ -161,9 +162,9 @@ def test_calls_that_adopt_kept_graphs_give_plain_output(emulated_graphs, agreein
     reuse = StepGraph._reuse
     monkeypatch.setattr(StepGraph, "_reuse", lambda self: (reuse(self), adopted.append(self.entry is not None)))
     target = agreeing_target
-    gen = dict(max_new_tokens=16, do_sample=False, eos_token_id=None)
-    for batch_size, seed in ((3, 1), (3, 2), (3, 3), (2, 4)):
-        inputs = make_prompts(batch_size, vocab=VOCAB, seed=seed, min_len=6, max_len=6, repetitive=False)
+    for batch_size, seed, width, new in ((3, 1, 6, 16), (3, 2, 9, 11), (3, 3, 7, 21), (2, 4, 6, 16)):
+        inputs = make_prompts(batch_size, vocab=VOCAB, seed=seed, min_len=width - 2, max_len=width, repetitive=False)
+        gen = dict(max_new_tokens=new, do_sample=False, eos_token_id=None)
         spec = hf_specdec.SpecDecoder(draft_head=agreeing_heads["eagle"][0], num_speculative_tokens=3)
         assert torch.equal(spec_generate(target, inputs, spec, **gen, cache_implementation="static"),
                            target.generate(**inputs, **gen)), seed  # fmt: skip
