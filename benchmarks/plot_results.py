@@ -7,7 +7,8 @@ no-flag default (`bench_gpu_default.py`); `--profile docs/results/profile_batche
 (`profile_batched_gpu.py`; the figure is named after the file); `--threads docs/results/threads_h100.json` for threads (`bench_threads_gpu.py`);
 `--methods docs/results/sampling_h100_*.json docs/results/default_h100_ngram_reuse.json docs/results/mtp_h100.json`
 for every method's captured step (issue 26); `--cb docs/results/cb_h100_graphs_estimate.json ...` for continuous
-batching (`bench_cb_gpu.py`; each file one bar group, labelled by its name).
+batching (`bench_cb_gpu.py`; each file one bar group, labelled by its name); `--routes docs/results/routes_h100_b1.json
+docs/results/routes_h100_b16.json` for every route against plain eager (`bench_gpu_routes.py`).
 """
 
 from __future__ import annotations
@@ -211,6 +212,27 @@ def plot_cb(files: list[Path], out: Path) -> None:
     fig.savefig(out / "cb_h100.png", dpi=110)
 
 
+def plot_routes(files: list[Path], out: Path) -> None:
+    """Every route over plain eager generate with the same arguments (bench_gpu_routes.py): per group, the median
+    of the rounds as a bar and the worst round as a tick."""
+    groups = [g for f in files for g in json.loads(f.read_text())["groups"]]
+    fig, axes = plt.subplots(1, len(groups), figsize=(3.2 * len(groups), 4.2), sharey=True, squeeze=False)
+    for ax, group in zip(axes[0], groups):
+        rows = {k: r for k, r in group["rows"].items() if "identical" in r}
+        ratios = [next(v for key, v in r.items() if key.startswith("vs_plain_eager")) for r in rows.values()]
+        xs = range(len(rows))
+        ax.bar(xs, [v["median"] for v in ratios], color=["tab:orange" if "uncaptured" in k or "dynamic" in k
+                                                         else "tab:blue" for k in rows])  # fmt: skip
+        ax.scatter(xs, [v["min"] for v in ratios], marker="_", s=150, color="black", zorder=3)
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xticks(list(xs), list(rows), rotation=70, fontsize=7)
+        ax.set_title(group["group"], fontsize=9)
+    axes[0][0].set_ylabel("tokens/s over plain eager, same arguments\n(bar: median, tick: worst round)")
+    fig.suptitle("Every route on an H100 (8B-shaped target, 64 new tokens; orange: uncaptured or dynamic path)")
+    fig.tight_layout()
+    fig.savefig(out / "routes_h100.png", dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("rejection", nargs="?")
@@ -227,6 +249,7 @@ def main() -> None:
         help="bench_gpu_default.py and bench_mtp_gpu.py JSON files (names with 'mtp' are MTP runs)",
     )
     parser.add_argument("--cb", nargs="+", type=Path, default=[], help="bench_cb_gpu.py JSON files")
+    parser.add_argument("--routes", nargs="+", type=Path, default=[], help="bench_gpu_routes.py JSON files")
     parser.add_argument("--out", default="docs")
     args = parser.parse_args()
     out = Path(args.out)
@@ -244,6 +267,8 @@ def main() -> None:
         plot_threads(json.loads(args.threads.read_text()), out)
     if args.cb:
         plot_cb(args.cb, out)
+    if args.routes:
+        plot_routes(args.routes, out)
     if args.methods:
         mtp = [f for f in args.methods if "mtp" in f.stem]
         plot_methods([f for f in args.methods if f not in mtp], mtp, out)
