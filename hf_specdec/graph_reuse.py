@@ -4,8 +4,8 @@ A `StepGraph`'s graphs read fixed addresses: the loop's state tensors (the *home
 ends, its graphs and its loop (which owns those tensors) are kept per target model under the call's *signature*:
 everything a graph bakes in (batch size, k, the static caches' bucketed length, the models, dtypes, sampling and
 stopping settings; `max_length` is a tensor the graphs read, so calls of other prompt and answer lengths in one
-length bucket share graphs). A later call with the same signature copies its own state into the homes and points its attributes at
-them (`adopt`), then replays. One call at a time uses an entry (a concurrent call with the same signature captures
+length bucket share graphs). A later call with the same signature copies its own state into the homes and points
+its attributes at them (`adopt`), then replays. One call at a time uses an entry (a concurrent call with the same signature captures
 its own); at most `MAX_ENTRIES` are kept per model, the oldest dropped; `clear(model)` drops a model's entries.
 The model itself holds its entries (`hf_specdec.model_slots`): they go with it (a module-level table keyed weakly by
 the model kept every such model alive, since an entry's loop refers back to it).
