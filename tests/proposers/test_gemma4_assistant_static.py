@@ -102,6 +102,7 @@ def test_calls_that_adopt_kept_graphs_give_plain_output(emulated_graphs, gemma4,
     reuse = StepGraph._reuse
     monkeypatch.setattr(StepGraph, "_reuse", lambda self: (reuse(self), adopted.append(self.entry is not None)))
     target, assistant = gemma4
+    graph_reuse.clear(target)  # graphs an earlier test of this module kept would serve the first call
     for batch_size, seed, width, new in ((3, 1, 6, 16), (3, 2, 9, 11), (2, 4, 6, 16)):  # other lengths adopt too
         inputs = make_prompts(batch_size, seed=seed, min_len=width - 2, max_len=width, repetitive=False)
         gen = dict(max_new_tokens=new, do_sample=False, eos_token_id=None)
