@@ -16,9 +16,12 @@ prompts (128 tokens, ragged at B > 1, 64 new tokens, greedy):
   not hold the answer (they find little), early exit (the target's first 4 layers and its head: the greedy rule
   lives in the embeddings, so they draft well) and a random DFlash drafter (2 layers, block 5: it drafts nothing
   right), each with no flags and uncaptured.
+- `lengths` (not run by default): the draft model at alpha 0.8 with no flags, each round on its own prompt width
+  (the `--prompt-len`, 3/4 and 1/2 of it) and answer length (likewise), as a user's calls come: kept graphs serve
+  calls of other lengths, and compiled plain meets new shapes.
 
 Every arm is called once in a warm-up round (its first call, reported), then `--rounds` rounds time every arm once in
-turn, with a fresh `SpecDecoder` per call and no library state reset. Reported per arm: the ratio to its baseline per
+turn (every arm of a round on the same prompts, its output compared with its baseline's of that round), with a fresh `SpecDecoder` per call and no library state reset. Reported per arm: the ratio to its baseline per
 round (min and median), tokens/s, acceptance, drafting share and graph replays of its last call, and whether every
 output equals its baseline's.
 
@@ -92,14 +95,14 @@ def dflash_drafter(target):  # noqa: ANN001, ANN201
     return drafter.eval()
 
 
-def arms_for(group: str, target, draft, head, drafter, inputs: dict, n_new: int) -> dict[str, tuple]:  # noqa: ANN001
-    """name -> (call, baseline name, spec holder); a baseline's own entry has baseline None."""
-    gen = dict(max_new_tokens=n_new, do_sample=False)
+def arms_for(group: str, target, draft, head, drafter, shape: dict) -> dict[str, tuple]:  # noqa: ANN001
+    """name -> (call, baseline name, spec holder); a baseline's own entry has baseline None. Every call reads the
+    round's prompts and answer length from `shape` ("inputs", "n_new"), which `run_group` sets."""
     static = {"cache_implementation": "static"} if e2e.DEVICE == "cpu" else {}  # a dry run: the static path
     proc, crit = processor_kwargs(target.config.vocab_size), criteria_kwargs()
 
     def plain(**extra) -> Callable[[], torch.Tensor]:  # noqa: ANN003
-        return lambda: target.generate(**inputs, **gen, **extra)
+        return lambda: target.generate(**shape["inputs"], max_new_tokens=shape["n_new"], do_sample=False, **extra)
 
     def ours(holder: dict, make_spec: Callable[[], hf_specdec.SpecDecoder], env: dict | None = None,
              **extra) -> Callable[[], torch.Tensor]:  # noqa: ANN003  # fmt: skip
@@ -108,8 +111,8 @@ def arms_for(group: str, target, draft, head, drafter, inputs: dict, n_new: int)
             os.environ.update(env or {})
             try:
                 kwargs = {**static, **extra} if "cache_implementation" not in extra else extra
-                return target.generate(**inputs, **gen, **kwargs, custom_generate=hf_specdec.generate,
-                                       spec_decoder=spec)  # fmt: skip
+                return target.generate(**shape["inputs"], max_new_tokens=shape["n_new"], do_sample=False, **kwargs,
+                                       custom_generate=hf_specdec.generate, spec_decoder=spec)  # fmt: skip
             finally:
                 for key in env or {}:
                     os.environ.pop(key, None)
@@ -136,6 +139,9 @@ def arms_for(group: str, target, draft, head, drafter, inputs: dict, n_new: int)
         add("dflash_uncaptured", "plain_eager", dflash, uncaptured)
         return arms
     with_draft = lambda: hf_specdec.SpecDecoder(draft_model=draft, num_speculative_tokens=K)  # noqa: E731
+    if group == "lengths":  # each round its own prompt width and answer length
+        add("draft", "plain_eager", with_draft)
+        return arms
     with_head = lambda: hf_specdec.SpecDecoder(draft_head=head, num_speculative_tokens=K)  # noqa: E731
     add("draft", "plain_eager", with_draft)
     add("draft_dynamic", "plain_eager", with_draft, cache_implementation="dynamic")
@@ -155,35 +161,36 @@ def with_alpha(model, alpha: float):  # noqa: ANN001, ANN201
     return clone
 
 
-def run_group(name: str, arms: dict[str, tuple], batch: int, n_new: int, rounds: int) -> dict:
-    """A warm-up round (first calls), then `rounds` interleaved rounds of every arm."""
+def run_group(name: str, arms: dict[str, tuple], shape: dict, shapes: list[tuple[dict, int]], rounds: int) -> dict:
+    """A warm-up round (first calls), then `rounds` interleaved rounds of every arm; round r (the warm-up is round 0)
+    runs every arm on `shapes[r % len(shapes)]` (prompts, answer length), set into `shape`."""
     seconds: dict[str, list[float]] = {key: [] for key in arms}
+    tokens: list[int] = []
     first: dict[str, float] = {}
-    reference: dict[str, torch.Tensor] = {}
-    identical: dict[str, bool] = {}
+    identical = {key: True for key, (_, base, _) in arms.items() if base is not None}
     with torch.no_grad():
-        for key, (fn, _, _) in arms.items():
-            e2e.sync()
-            start = time.perf_counter()
-            reference[key] = fn()
-            e2e.sync()
-            first[key] = time.perf_counter() - start
-        for key, (_, base, _) in arms.items():
-            if base is not None:
-                identical[key] = torch.equal(reference[key], reference[base])
-        arms["plain_compiled"][0]()  # its second call compiles again
-        for _ in range(rounds):
+        for index in range(rounds + 1):
+            shape["inputs"], shape["n_new"] = shapes[index % len(shapes)]
+            outputs = {}
             for key, (fn, base, _) in arms.items():
                 e2e.sync()
                 start = time.perf_counter()
-                out = fn()
+                outputs[key] = fn()
                 e2e.sync()
-                seconds[key].append(time.perf_counter() - start)
+                if index == 0:
+                    first[key] = time.perf_counter() - start
+                else:
+                    seconds[key].append(time.perf_counter() - start)
                 if base is not None:
-                    identical[key] = identical[key] and torch.equal(out, reference[base])
+                    identical[key] = identical[key] and torch.equal(outputs[key], outputs[base])
+            if index == 0:
+                arms["plain_compiled"][0]()  # its second call compiles again
+            else:
+                tokens.append(shape["inputs"]["input_ids"].shape[0] * shape["n_new"])
     rows = {}
     for key, (_, base, holder) in arms.items():
-        row: dict = dict(tps_median=statistics.median(batch * n_new / s for s in seconds[key]), first_call_s=first[key])
+        row: dict = dict(tps_median=statistics.median(n / s for n, s in zip(tokens, seconds[key])),
+                         first_call_s=first[key])  # fmt: skip
         if base is not None:
             for against in {base, "plain_compiled"}:
                 per_round = [b / o for b, o in zip(seconds[against], seconds[key])]
@@ -198,13 +205,13 @@ def run_group(name: str, arms: dict[str, tuple], batch: int, n_new: int, rounds:
                    round(r["acceptance"], 2), r["replays"], r["identical"])
              for key, r in rows.items() if arms[key][1] is not None}  # fmt: skip
     print(json.dumps({"group": name, "vs_baseline(min, median, acceptance, replays, identical)": brief}), flush=True)
-    return dict(group=name, batch=batch, rows=rows)
+    return dict(group=name, batch=shape["inputs"]["input_ids"].shape[0], rows=rows)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", nargs="+", type=int, default=[1])
-    parser.add_argument("--groups", nargs="+", default=["0.8", "0.0", "any"], help="alphas, and 'any'")
+    parser.add_argument("--groups", nargs="+", default=["0.8", "0.0", "any"], help="alphas, 'any' and 'lengths'")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
@@ -221,13 +228,22 @@ def main() -> None:
                                   command=" ".join(sys.argv)), "groups": []}  # fmt: skip
     target, draft, all_inputs, head = setup(args.batches, args.new_tokens, args.prompt_len, head=True)
     drafter = dflash_drafter(target) if "any" in args.groups else None
+    n_new, width = args.new_tokens, args.prompt_len
+    varied = {}  # batch -> [(prompts, answer length)]: three widths and answer lengths, one per round in turn
+    if "lengths" in args.groups:
+        varied = {b: [(e2e.prompts(b, width * f // 4, ragged=b > 1), n_new * f // 4) for f in (4, 3, 2)]
+                  for b in args.batches}  # fmt: skip
+        # the draft learns every prompt's continuation (the EAGLE-3 head keeps its own table: no head in that group)
+        e2e.teach_synthetic_draft(target, draft, [*all_inputs.values(), *(i for v in varied.values() for i, _ in v)],
+                                  n_new)  # fmt: skip
     for batch in args.batches:
         for group in args.groups:
-            alpha = None if group == "any" else float(group)
+            alpha = 0.8 if group == "lengths" else None if group == "any" else float(group)
+            shape: dict = {}
             arms = arms_for(group, target, with_alpha(draft, alpha or 0.0), with_alpha(head, alpha or 0.0), drafter,
-                            all_inputs[batch], args.new_tokens)  # fmt: skip
-            results["groups"].append(run_group(f"B={batch} alpha={group}", arms, batch, args.new_tokens,
-                                               args.rounds))  # fmt: skip
+                            shape)  # fmt: skip
+            shapes = varied[batch] if group == "lengths" else [(all_inputs[batch], n_new)]
+            results["groups"].append(run_group(f"B={batch} alpha={group}", arms, shape, shapes, args.rounds))
             if args.out:  # after each group, so a run cut short keeps what it measured
                 with open(args.out, "w") as f:
                     json.dump(results, f, indent=1)
