@@ -11,18 +11,24 @@ calls' figure is the one that user gets. Plain `generate` keeps cuDNN (its decod
 The switch is process-wide (torch keeps SDPA's backend flags global), so it is counted: the first call in flight
 turns cuDNN's attention off and the last one to end puts the user's setting back, whatever order threads end in.
 Another thread's work that runs meanwhile (a plain `generate`, say) uses the other kernels too. A user who turned
-every other backend off keeps cuDNN: then nothing changes.
+every other backend off keeps cuDNN: then nothing changes. `HF_SPECDEC_CUDNN_ATTENTION=1` leaves the setting alone:
+captured steps meet few (query, key) length pairs, and at long contexts cuDNN's kernel may be worth its plans (the
+grid's long-context points fell after this switch came in: docs/benchmarks.md, "The end of wave 4"; not measured).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Iterator
 
 import torch
 
-__all__ = ["without_cudnn_attention"]
+__all__ = ["KEEP_CUDNN_ENV", "without_cudnn_attention"]
+
+#: set to 1 to keep cuDNN's attention as the user set it during hf_specdec's calls
+KEEP_CUDNN_ENV = "HF_SPECDEC_CUDNN_ATTENTION"
 
 _LOCK = threading.Lock()
 _HOLDERS = 0
@@ -38,7 +44,7 @@ def _others_enabled() -> bool:
 def without_cudnn_attention(device: torch.device) -> Iterator[None]:
     """cuDNN's SDPA kernels off while the block runs on a CUDA `device` (nothing happens on other devices)."""
     global _HOLDERS, _SAVED
-    if device.type != "cuda":
+    if device.type != "cuda" or os.environ.get(KEEP_CUDNN_ENV, "0") == "1":
         yield
         return
     with _LOCK:

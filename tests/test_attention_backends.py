@@ -35,6 +35,16 @@ def test_off_on_cuda_and_back_after():
     assert torch.backends.cuda.cudnn_sdp_enabled()
 
 
+def test_the_environment_can_keep_cudnn(monkeypatch):
+    from hf_specdec.attention_backends import KEEP_CUDNN_ENV
+
+    monkeypatch.setenv(KEEP_CUDNN_ENV, "1")
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    with without_cudnn_attention(CUDA):
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
 def test_nothing_changes_off_cuda_or_when_cudnn_is_all_the_user_left():
     torch.backends.cuda.enable_cudnn_sdp(True)
     with without_cudnn_attention(torch.device("cpu")):
