@@ -476,6 +476,19 @@ def one_thread() -> Iterator[None]:
 
 
 @pytest.fixture
+def adopted(monkeypatch) -> list[bool]:
+    """Graph reuse on (its default), and per captured call in order, whether it adopted a kept entry's graphs."""
+    from hf_specdec import graph_reuse
+    from hf_specdec.step_graph import StepGraph
+
+    monkeypatch.delenv(graph_reuse.REUSE_ENV, raising=False)
+    adopted: list[bool] = []
+    reuse = StepGraph._reuse
+    monkeypatch.setattr(StepGraph, "_reuse", lambda self: (reuse(self), adopted.append(self.entry is not None)))
+    return adopted
+
+
+@pytest.fixture
 def emulated_graphs(monkeypatch):
     """Captured static steps on the CPU: `hf_specdec.step_graph.GRAPHS` emulates CUDA graphs (emulated_graphs.py)."""
     from emulated_graphs import EmulatedGraphs

@@ -75,16 +75,12 @@ def test_one_call_with_mixed_step_kinds_equals_plain(patterned, method, pattern)
 
 
 @pytest.mark.parametrize("method", ["draft", "ngram"])
-def test_calls_that_adopt_graphs_kept_from_other_calls_equal_plain(patterned, monkeypatch, method):
+def test_calls_that_adopt_graphs_kept_from_other_calls_equal_plain(adopted, patterned, method):
     """Each call adopts the graphs the previous call of its batch size kept, with step kinds first captured by
     different calls (the run that failed on an H100 with the adaptive schedule)."""
-    monkeypatch.delenv(graph_reuse.REUSE_ENV, raising=False)  # reuse is on by default
     target, spec, inputs = _setup(method)
     gen = dict(max_new_tokens=40, do_sample=False, eos_token_id=None)
     plain = {b: target.generate(**prompt, **gen) for b, prompt in inputs.items()}
-    adopted = []
-    reuse = step_graph.StepGraph._reuse
-    monkeypatch.setattr(step_graph.StepGraph, "_reuse", lambda self: (reuse(self), adopted.append(self.entry is not None)))  # fmt: skip
     for name in ["never", "every third", "always", "every other", "after five", "first three", "four in five"] * 2:
         for b, prompt in inputs.items():
             patterned.append(PATTERNS[name])

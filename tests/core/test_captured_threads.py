@@ -65,7 +65,7 @@ def test_eight_threads_on_the_captured_path_give_lone_outputs(cache_implementati
     assert errors == [] and len(results) == 24 and all(results), (errors, results)
 
 
-def test_eight_threads_on_emulated_captured_steps_give_lone_outputs(emulated_graphs, monkeypatch):
+def test_eight_threads_on_emulated_captured_steps_give_lone_outputs(adopted, emulated_graphs):
     """The same on the CPU with CUDA graphs emulated (tests/emulated_graphs.py): 8 threads x 3 calls on the static
     path, serialised per model, each call adopting the graphs an earlier call of its shapes kept (graph reuse is on
     by default): no error, every output equal to the lone call's."""
@@ -80,12 +80,7 @@ def test_eight_threads_on_emulated_captured_steps_give_lone_outputs(emulated_gra
     alone = {b: spec_generate(target, inputs[b], spec, **gen) for b in BATCH_SIZES}
     assert spec.last_stats.num_graph_replays > 0
     assert len(graph_reuse.entries(target)) == len(BATCH_SIZES)  # one kept entry per shape
-
-    from hf_specdec.step_graph import StepGraph
-
-    adopted = []
-    reuse = StepGraph._reuse
-    monkeypatch.setattr(StepGraph, "_reuse", lambda self: (reuse(self), adopted.append(self.entry is not None)))
+    adopted.clear()  # the threads' calls from here
 
     def work(i: int, j: int) -> bool:
         b = BATCH_SIZES[(i + j) % len(BATCH_SIZES)]

@@ -126,18 +126,13 @@ def test_models_with_kept_graphs_are_freed_when_dropped_and_copies_start_without
 
 
 @pytest.mark.parametrize("method", ["draft", "ngram", "early_exit"])
-def test_calls_that_adopt_a_kept_calls_state_give_plain_output(monkeypatch, emulated_graphs, method):
+def test_calls_that_adopt_a_kept_calls_state_give_plain_output(adopted, emulated_graphs, method):
     """Static calls with equal signatures: each later one adopts the graphs and the state its predecessor left
     (CUDA graphs emulated on the CPU) and gives plain's tokens; a call of another batch size does not adopt them."""
     from conftest import make_model, make_noisy_copy, make_prompts, spec_generate
 
     import hf_specdec
-    from hf_specdec.step_graph import StepGraph
 
-    monkeypatch.delenv(graph_reuse.REUSE_ENV, raising=False)  # reuse is on by default
-    adopted = []
-    reuse = StepGraph._reuse
-    monkeypatch.setattr(StepGraph, "_reuse", lambda self: (reuse(self), adopted.append(self.entry is not None)))
     target = make_model("llama", seed=0)
     draft = make_noisy_copy(target)
     gen = dict(max_new_tokens=20, do_sample=False, eos_token_id=None, cache_implementation="static")
@@ -152,7 +147,7 @@ def test_calls_that_adopt_a_kept_calls_state_give_plain_output(monkeypatch, emul
 
 
 @pytest.mark.parametrize("method", ["draft", "ngram", "early_exit"])
-def test_calls_of_other_prompt_and_answer_lengths_adopt_kept_graphs(monkeypatch, emulated_graphs, method):
+def test_calls_of_other_prompt_and_answer_lengths_adopt_kept_graphs(adopted, emulated_graphs, method):
     """Calls whose prompts and max_new_tokens differ, within one static-cache length bucket, adopt the graphs a call
     kept (the max-length rule is a tensor the graphs read, the token buffer as wide as the bucketed caches), and each
     gives plain's tokens, stopping at its own max_length inside captured steps and plain blocks (CUDA graphs
@@ -160,12 +155,7 @@ def test_calls_of_other_prompt_and_answer_lengths_adopt_kept_graphs(monkeypatch,
     from conftest import make_model, make_noisy_copy, make_prompts, spec_generate
 
     import hf_specdec
-    from hf_specdec.step_graph import StepGraph
 
-    monkeypatch.delenv(graph_reuse.REUSE_ENV, raising=False)
-    adopted = []
-    reuse = StepGraph._reuse
-    monkeypatch.setattr(StepGraph, "_reuse", lambda self: (reuse(self), adopted.append(self.entry is not None)))
     target = make_model("llama", seed=0)
     draft = make_noisy_copy(target)
     gen = dict(do_sample=False, eos_token_id=None, cache_implementation="static")
@@ -181,19 +171,14 @@ def test_calls_of_other_prompt_and_answer_lengths_adopt_kept_graphs(monkeypatch,
     graph_reuse.clear(target)
 
 
-def test_plain_static_generate_between_calls_leaves_kept_graphs_adoptable(monkeypatch, emulated_graphs):
+def test_plain_static_generate_between_calls_leaves_kept_graphs_adoptable(adopted, emulated_graphs):
     """Plain `generate(cache_implementation="static")` (compiled plain, what a speed-minded user also calls) keeps
     its cache's bookkeeping on the model (`_previous_max_cache_length`, `_cache`): no forward reads it, so the next
     call still adopts the kept graphs (an H100 grid run recaptured after every compiled plain call before)."""
     from conftest import make_model, make_noisy_copy, make_prompts, spec_generate
 
     import hf_specdec
-    from hf_specdec.step_graph import StepGraph
 
-    monkeypatch.delenv(graph_reuse.REUSE_ENV, raising=False)
-    adopted = []
-    reuse = StepGraph._reuse
-    monkeypatch.setattr(StepGraph, "_reuse", lambda self: (reuse(self), adopted.append(self.entry is not None)))
     target = make_model("llama", seed=0)
     draft = make_noisy_copy(target)
     inputs = make_prompts(2, seed=5, min_len=6, max_len=6)
@@ -206,19 +191,14 @@ def test_plain_static_generate_between_calls_leaves_kept_graphs_adoptable(monkey
     graph_reuse.clear(target)
 
 
-def test_a_call_after_the_kernels_change_captures_its_own_graphs(monkeypatch, emulated_graphs):
+def test_a_call_after_the_kernels_change_captures_its_own_graphs(adopted, emulated_graphs):
     """A kept graph bakes in the kernels its models ran: after `set_experts_implementation` (or
     `set_attn_implementation`) the next call does not adopt it, and captures graphs of the new kernels."""
     from conftest import make_prompts, spec_generate
     from proposers.test_mtp import make_mtp_target
 
     import hf_specdec
-    from hf_specdec.step_graph import StepGraph
 
-    monkeypatch.delenv(graph_reuse.REUSE_ENV, raising=False)
-    adopted = []
-    reuse = StepGraph._reuse
-    monkeypatch.setattr(StepGraph, "_reuse", lambda self: (reuse(self), adopted.append(self.entry is not None)))
     target, mtp = make_mtp_target("glm4_moe")
     inputs = make_prompts(2, seed=3, min_len=5, max_len=5)
     gen = dict(max_new_tokens=12, do_sample=False, eos_token_id=None, cache_implementation="static")
@@ -232,19 +212,14 @@ def test_a_call_after_the_kernels_change_captures_its_own_graphs(monkeypatch, em
     graph_reuse.clear(target)
 
 
-def test_kept_graphs_are_adopted_only_by_calls_with_the_same_stop_strings(monkeypatch, emulated_graphs):
+def test_kept_graphs_are_adopted_only_by_calls_with_the_same_stop_strings(adopted, emulated_graphs):
     """Stop strings are checked inside the captured step against their token tables: a later call adopts the kept
     graphs only with the same strings (`StopRules.stop_strings_key`); with other strings it captures its own and
     stops where plain `generate` does."""
     from conftest import EOS_ID, PAD_ID, make_model, make_noisy_copy, make_prompts, make_tokenizer, spec_generate
 
     import hf_specdec
-    from hf_specdec.step_graph import StepGraph
 
-    monkeypatch.delenv(graph_reuse.REUSE_ENV, raising=False)
-    adopted = []
-    reuse = StepGraph._reuse
-    monkeypatch.setattr(StepGraph, "_reuse", lambda self: (reuse(self), adopted.append(self.entry is not None)))
     target, tokenizer = make_model("llama", seed=0), make_tokenizer()
     draft = make_noisy_copy(target, seed=4)
     inputs = make_prompts(2, seed=3, min_len=6, max_len=6)
@@ -263,18 +238,13 @@ def test_kept_graphs_are_adopted_only_by_calls_with_the_same_stop_strings(monkey
     graph_reuse.clear(target)
 
 
-def test_kept_graphs_are_adopted_only_by_calls_with_the_same_bad_words(monkeypatch, emulated_graphs):
+def test_kept_graphs_are_adopted_only_by_calls_with_the_same_bad_words(adopted, emulated_graphs):
     """A device form bakes its constants into the graph (the bad words' token lists): they are part of the
     signature (`key()`), so a call with other bad words captures its own graphs and bans its own words."""
     from conftest import make_model, make_noisy_copy, make_prompts, spec_generate
 
     import hf_specdec
-    from hf_specdec.step_graph import StepGraph
 
-    monkeypatch.delenv(graph_reuse.REUSE_ENV, raising=False)
-    adopted = []
-    reuse = StepGraph._reuse
-    monkeypatch.setattr(StepGraph, "_reuse", lambda self: (reuse(self), adopted.append(self.entry is not None)))
     target = make_model("llama", seed=0)
     draft = make_noisy_copy(target, seed=4)
     inputs = make_prompts(2, seed=3, min_len=6, max_len=6)

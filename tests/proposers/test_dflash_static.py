@@ -98,13 +98,8 @@ def test_sampling_on_static_caches_follows_the_target_law(monkeypatch) -> None:
     check_first_tokens(out, prompt, exact_joint_law(target, prompt, 3, 1.0), 3)
 
 
-def test_calls_that_adopt_kept_graphs_give_plain_output(emulated_graphs, dflash, monkeypatch) -> None:
-    from hf_specdec.step_graph import StepGraph
+def test_calls_that_adopt_kept_graphs_give_plain_output(adopted, emulated_graphs, dflash) -> None:
 
-    monkeypatch.delenv(graph_reuse.REUSE_ENV, raising=False)  # reuse is on by default
-    adopted = []
-    reuse = StepGraph._reuse
-    monkeypatch.setattr(StepGraph, "_reuse", lambda self: (reuse(self), adopted.append(self.entry is not None)))
     target, drafter = dflash
     graph_reuse.clear(target)  # graphs an earlier test of this module kept would serve the first call
     for batch_size, seed, width, new in ((3, 1, 6, 16), (3, 2, 9, 11), (2, 4, 6, 16)):  # other lengths adopt too

@@ -150,17 +150,12 @@ def test_sampling_on_static_caches_follows_the_target_law(tmp_path, monkeypatch)
     check_first_tokens(out, prompt, exact_joint_law(small, prompt, 3, 1.0), 3)
 
 
-def test_calls_that_adopt_kept_graphs_give_plain_output(emulated_graphs, agreeing_target, agreeing_heads,
-                                                       monkeypatch) -> None:  # fmt: skip
+def test_calls_that_adopt_kept_graphs_give_plain_output(adopted, emulated_graphs, agreeing_target,
+                                                       agreeing_heads) -> None:  # fmt: skip
     """Calls of one batch size, with prompts and answers of other lengths in one cache-length bucket: each later one
     adopts the graphs and state (the head's static cache among them) that its predecessor kept, and gives plain's
     tokens; a call of another batch size captures its own."""
-    from hf_specdec.step_graph import StepGraph
 
-    monkeypatch.delenv(graph_reuse.REUSE_ENV, raising=False)  # reuse is on by default
-    adopted = []
-    reuse = StepGraph._reuse
-    monkeypatch.setattr(StepGraph, "_reuse", lambda self: (reuse(self), adopted.append(self.entry is not None)))
     target = agreeing_target
     graph_reuse.clear(target)  # graphs an earlier test of this module kept would serve the first call
     for batch_size, seed, width, new in ((3, 1, 6, 16), (3, 2, 9, 11), (3, 3, 7, 21), (2, 4, 6, 16)):

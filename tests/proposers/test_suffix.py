@@ -119,19 +119,15 @@ def test_rows_that_stop_early_publish_their_outputs(target):
     assert spec.suffix_cache.num_requests == 6
 
 
-def test_static_steps_are_planned_and_captured(target, emulated_graphs, monkeypatch):
+def test_static_steps_are_planned_and_captured(adopted, target, emulated_graphs, monkeypatch):
     """On static caches the drafts are made on the host in `plan_step` and the captured step reads them: with
     emulated CUDA graphs the output equals plain's and the steps replay; a second call adopts the first call's kept
     graphs (and its draft tensors, which its own `plan_step` then fills with drafts from the global tree)."""
     from hf_specdec.decoding import SpeculativeLoop
-    from hf_specdec.step_graph import StepGraph
 
     keys: list = []
     plan_step = SpeculativeLoop.plan_step
     monkeypatch.setattr(SpeculativeLoop, "plan_step", lambda self: keys.append(plan_step(self)) or keys[-1])
-    adopted: list[bool] = []
-    reuse = StepGraph._reuse
-    monkeypatch.setattr(StepGraph, "_reuse", lambda self: (reuse(self), adopted.append(self.entry is not None)))
     inputs = make_prompts(3, seed=21)
     expected = target.generate(**inputs, max_new_tokens=32, **GREEDY)
     for schedule in ("constant", "adaptive"):
