@@ -11,9 +11,15 @@ calls' figure is the one that user gets. Plain `generate` keeps cuDNN (its decod
 The switch is process-wide (torch keeps SDPA's backend flags global), so it is counted: the first call in flight
 turns cuDNN's attention off and the last one to end puts the user's setting back, whatever order threads end in.
 Another thread's work that runs meanwhile (a plain `generate`, say) uses the other kernels too. A user who turned
-every other backend off keeps cuDNN: then nothing changes. `HF_SPECDEC_CUDNN_ATTENTION=1` leaves the setting alone:
-captured steps meet few (query, key) length pairs, and at long contexts cuDNN's kernel may be worth its plans (the
-grid's long-context points fell after this switch came in: docs/benchmarks.md, "The end of wave 4"; not measured).
+every other backend off keeps cuDNN: then nothing changes. `HF_SPECDEC_CUDNN_ATTENTION=1` leaves the setting alone
+for the whole call.
+
+Captured steps are the exception (`cudnn_for_capture`): a CUDA graph keeps the kernels its capture picked and its
+(query, key) lengths are fixed, so cuDNN's plans are built once per graph, during the warm-up before its capture. So
+the user's setting comes back while a step warms up and is captured. Measured on an H100 (8B-shaped Llama, 4 096-token
+prompts, B = 1, the grid's `8b-p4k` group): the memory-efficient kernel took 212 us per layer and step against
+cuDNN's 104 us, and the call ran at 0.64x compiled plain at alpha 0 and 1.20x at alpha 0.8, against 0.79x and 1.57x
+with cuDNN (docs/benchmarks.md, "cuDNN's attention in captured steps").
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["KEEP_CUDNN_ENV", "without_cudnn_attention"]
+__all__ = ["KEEP_CUDNN_ENV", "cudnn_for_capture", "without_cudnn_attention"]
 
 #: set to 1 to keep cuDNN's attention as the user set it during hf_specdec's calls
 KEEP_CUDNN_ENV = "HF_SPECDEC_CUDNN_ATTENTION"
@@ -33,6 +39,8 @@ KEEP_CUDNN_ENV = "HF_SPECDEC_CUDNN_ATTENTION"
 _LOCK = threading.Lock()
 _HOLDERS = 0
 _SAVED: bool | None = None  # the cuDNN flag as the first holder found it
+_TURNED_OFF = False  # whether the holders turned it off (it was on, and another kernel was left)
+_CAPTURING = 0  # captured steps warming up or being captured: the user's setting back meanwhile
 
 
 def _others_enabled() -> bool:
@@ -43,15 +51,15 @@ def _others_enabled() -> bool:
 @contextlib.contextmanager
 def without_cudnn_attention(device: torch.device) -> Iterator[None]:
     """cuDNN's SDPA kernels off while the block runs on a CUDA `device` (nothing happens on other devices)."""
-    global _HOLDERS, _SAVED
+    global _HOLDERS, _SAVED, _TURNED_OFF
     if device.type != "cuda" or os.environ.get(KEEP_CUDNN_ENV, "0") == "1":
         yield
         return
     with _LOCK:
         if _HOLDERS == 0:
             _SAVED = torch.backends.cuda.cudnn_sdp_enabled()
-            if _others_enabled():
-                torch.backends.cuda.enable_cudnn_sdp(False)
+            _TURNED_OFF = _SAVED and _others_enabled()
+            _apply()
         _HOLDERS += 1
     try:
         yield
@@ -60,4 +68,27 @@ def without_cudnn_attention(device: torch.device) -> Iterator[None]:
             _HOLDERS -= 1
             if _HOLDERS == 0:
                 torch.backends.cuda.enable_cudnn_sdp(bool(_SAVED))
-                _SAVED = None
+                _SAVED, _TURNED_OFF = None, False
+
+
+@contextlib.contextmanager
+def cudnn_for_capture() -> Iterator[None]:
+    """cuDNN's attention as the user set it while the block runs (a captured step's warm-up and capture: the graph
+    keeps the kernels picked then, for (query, key) lengths that never change). Nothing changes outside calls."""
+    global _CAPTURING
+    with _LOCK:
+        _CAPTURING += 1
+        _apply()
+    try:
+        yield
+    finally:
+        with _LOCK:
+            _CAPTURING -= 1
+            _apply()
+
+
+def _apply() -> None:
+    """Under `_LOCK`: cuDNN's flag for the current holders and captures (left alone unless the holders turned it
+    off)."""
+    if _TURNED_OFF:
+        torch.backends.cuda.enable_cudnn_sdp(_CAPTURING > 0)
