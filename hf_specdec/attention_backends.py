@@ -1,25 +1,25 @@
-"""Which SDPA kernels hf_specdec's calls on a GPU may use: every backend the user left on except cuDNN's.
+"""Which SDPA kernels hf_specdec's calls on a GPU may use: on the dynamic path every backend the user left on except
+cuDNN's; on the static path, and in anything captured, the user's setting.
 
 cuDNN's attention builds an execution plan for each new pair of query and key lengths, and the build runs on the
-host. Speculative forwards meet many such pairs: verify widths 1..k+1 against a cache that grows every step, drafts
-and catch-ups of varying widths. Measured on an H100 (torch 2.11, an 8B-shaped bf16 Llama target with sdpa, the
-eager dynamic path, B = 32, alpha 0.8, 64 new tokens, in a fresh process): with cuDNN, the first two calls took
+host. The dynamic path's forwards meet many such pairs: verify widths 1..k+1 against a cache that grows every step,
+drafts and catch-ups of varying widths. Measured on an H100 (torch 2.11, an 8B-shaped bf16 Llama target with sdpa,
+the eager dynamic path, B = 32, alpha 0.8, 64 new tokens, in a fresh process): with cuDNN, the first two calls took
 20 s and 9.1 s, SDPA holding 88% of the host's time, and the next ones 1.5-1.6 s; without it the first call took
-5.1 s and the next ones 1.7-1.8 s. A user whose prompts differ in length meets new pairs on every call, so the first
-calls' figure is the one that user gets. Plain `generate` keeps cuDNN (its decode forwards have one query token).
+5.1 s and the next ones 1.7-1.8 s. Plain `generate` keeps cuDNN (its decode forwards have one query token).
 
-The switch is process-wide (torch keeps SDPA's backend flags global), so it is counted: the first call in flight
-turns cuDNN's attention off and the last one to end puts the user's setting back, whatever order threads end in.
-Another thread's work that runs meanwhile (a plain `generate`, say) uses the other kernels too. A user who turned
-every other backend off keeps cuDNN: then nothing changes. `HF_SPECDEC_CUDNN_ATTENTION=1` leaves the setting alone
-for the whole call.
+The switch (`without_cudnn_attention`, entered by dynamic-path calls and the continuous-batching loop) is
+process-wide (torch keeps SDPA's backend flags global), so it is counted: the first call in flight turns cuDNN's
+attention off and the last one to end puts the user's setting back, whatever order threads end in. Another thread's
+work that runs meanwhile (a plain `generate`, say) uses the other kernels too. A user who turned every other backend
+off keeps cuDNN: then nothing changes. `HF_SPECDEC_CUDNN_ATTENTION=1` leaves the setting alone.
 
-Captured steps are the exception (`cudnn_for_capture`): a CUDA graph keeps the kernels its capture picked and its
-(query, key) lengths are fixed, so cuDNN's plans are built once per graph, during the warm-up before its capture. So
-the user's setting comes back while a step warms up and is captured. Measured on an H100 (8B-shaped Llama, 4 096-token
-prompts, B = 1, the grid's `8b-p4k` group): the memory-efficient kernel took 212 us per layer and step against
-cuDNN's 104 us, and the call ran at 0.64x compiled plain at alpha 0 and 1.20x at alpha 0.8, against 0.79x and 1.57x
-with cuDNN (docs/benchmarks.md, "cuDNN's attention in captured steps").
+Static caches have one length, so a static-path call meets a few pairs per graph and keeps the user's setting. A
+CUDA graph keeps the kernels its capture picked, so whatever is captured under the switch (continuous batching's
+draft forwards) gets the user's setting back while it warms up and is captured (`cudnn_for_capture`). Measured on
+an H100 (8B-shaped Llama, 4 096-token prompts, B = 1, the grid's `8b-p4k` group): without cuDNN the captured steps'
+attention took 212 us per layer and step (the memory-efficient kernel) against cuDNN's 104 us, and the call ran at
+0.64x compiled plain at alpha 0 and 1.20x at alpha 0.8, against 0.79x and 1.57x with cuDNN kept for the whole call.
 """
 
 from __future__ import annotations

@@ -75,7 +75,6 @@ def generate(
     `hf_specdec.install()`, which forwards the usual names).
     """
     with contextlib.ExitStack() as setup, model_guard.read_once():  # each model is read once while the call is set up
-        setup.enter_context(without_cudnn_attention(input_ids.device))  # its plans are built per shape, on the host
         plan = CallPlan.build(
             model,
             input_ids,
@@ -88,6 +87,8 @@ def generate(
             tokenizer=spec_tokenizer,
             stop_strings=spec_stop_strings,
         )
+        if plan.static is None:  # the dynamic path meets new (query, key) lengths every step: cuDNN's plans for each
+            setup.enter_context(without_cudnn_attention(input_ids.device))  # would be built on the host
         _stream_prompt(plan, input_ids, inspect.currentframe())
         # A call on a GPU's static path (captured steps, compiled forwards) runs alone on its model
         # (`hf_specdec.locks`): its caches are allocated and its graphs destroyed under the lock, never during
