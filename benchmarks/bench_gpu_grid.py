@@ -2,7 +2,7 @@
 targets, drafts, prompt and answer lengths, batch sizes, acceptance and sampling, each axis covered, not the cross
 product.
 
-The grid (`GRID`, 31 points in 16 groups, 3 of them A/B arms): targets shaped like Llama 3.x 1B / 3B (the 4B class) / 8B (vocabulary
+The grid (`GRID`, 28 points in 16 groups): targets shaped like Llama 3.x 1B / 3B (the 4B class) / 8B (vocabulary
 128 256) and Qwen3 1.7B / 4B / 8B (151 936, explicit head_dim); drafts of 2, 4, 16 and 28 layers; prompts of 128,
 1 024 and 4 096 tokens; answers of 64, 256 and 1 024; batches 1, 4, 16, 64 (ragged prompts); alpha 0, 0.5, 0.7,
 0.8; greedy and sampling (T = 0.8, top-p 0.9). Each axis moves away from the tuned set-up (8B Llama, 4-layer
@@ -17,9 +17,7 @@ plain and then every arm once; ratios are per round against that round's compile
 median. Plain eager is timed once (its first call at the shapes) unless `--eager-rounds` asks for more (it is the
 costliest arm: 30 ms a token at 8B). Arms: hf_specdec with no flags through `custom_generate` with a fresh
 `SpecDecoder(draft_model=draft)` per call; at a few points the same through `hf_specdec.install()` and
-`assistant_model=draft` (no other flag); at one a fresh draft object every call; at the long-context points the
-same with `HF_SPECDEC_CUDNN_ATTENTION=1` (cuDNN's attention left on, "+cudnn"; their own draft objects, so neither
-arm replays the other's graphs). Library state is never reset
+`assistant_model=draft` (no other flag); at one a fresh draft object every call. Library state is never reset
 between rounds or groups (what users get); each alpha is its own draft object. S* per point comes from forward costs
 measured on the same machine (`grid_models.forward_seconds`: replayed CUDA graphs of a 1-wide and a (k + 1)-wide
 target forward and of the draft's forwards, at the group's mid-answer context).
@@ -38,7 +36,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import platform
 import statistics
 import sys
@@ -53,7 +50,6 @@ import transformers
 import hf_specdec
 from benchmarks import grid_models as gm
 from hf_specdec import routing
-from hf_specdec.attention_backends import KEEP_CUDNN_ENV
 
 K = 5  # SpecDecoder's default num_speculative_tokens: hf_specdec runs with no flag
 SAMPLING = dict(temperature=0.8, top_p=0.9, top_k=0)
@@ -66,8 +62,7 @@ class Arm:
     draft: str  # grid_models.DRAFTS key
     alpha: float
     route: str = "custom"  # custom_generate + SpecDecoder; "install": install() + assistant_model=; "fresh": a new
-    #: draft object every call (nothing learned or kept for it), through custom_generate; "cudnn": custom_generate
-    #: with HF_SPECDEC_CUDNN_ATTENTION=1 (cuDNN's attention left on), its own draft object (its own kept graphs)
+    #: draft object every call (nothing learned or kept for it), through custom_generate
 
     @property
     def name(self) -> str:
@@ -97,15 +92,14 @@ GRID = (
     Group("8b-sampling", "llama-8b", 1, 128, 64, (Arm("d4", 0.8),), sample=True, axis="sampling"),
     Group("8b-n256", "llama-8b", 1, 128, 256, (Arm("d4", 0.0), Arm("d4", 0.8)), axis="answer length"),
     Group("8b-p1k", "llama-8b", 1, 1024, 64, (Arm("d4", 0.8),), axis="prompt length"),
-    Group("8b-p4k", "llama-8b", 1, 4096, 64, (Arm("d4", 0.0), Arm("d4", 0.8), Arm("d4", 0.0, "cudnn"),
-          Arm("d4", 0.8, "cudnn")), axis="prompt length"),
+    Group("8b-p4k", "llama-8b", 1, 4096, 64, (Arm("d4", 0.0), Arm("d4", 0.8)), axis="prompt length"),
     Group("8b-b4", "llama-8b", 4, 128, 64, (Arm("d4", 0.8),), axis="batch"),
     Group("8b-b16", "llama-8b", 16, 128, 64, (Arm("d4", 0.8),), axis="batch"),
     Group("8b-b64", "llama-8b", 64, 128, 64, (Arm("d4", 0.0), Arm("d4", 0.8)), axis="batch"),
     Group("q8-p1k-n256", "qwen3-8b", 1, 1024, 256, (Arm("d28", 0.7), Arm("d28", 0.0)), part="b",
           axis="the held-out pair: Qwen3 layout, 28-layer draft, longer prompt and answer"),
     Group("q8-tuned", "qwen3-8b", 1, 128, 64, (Arm("d4", 0.8),), part="b", axis="target layout"),
-    Group("1b-n1024", "llama-1b", 1, 128, 1024, (Arm("d2", 0.0), Arm("d2", 0.8), Arm("d2", 0.0, "cudnn")), part="b",
+    Group("1b-n1024", "llama-1b", 1, 128, 1024, (Arm("d2", 0.0), Arm("d2", 0.8)), part="b",
           axis="answer length, target size"),
     Group("q1.7b", "qwen3-1.7b", 1, 128, 64, (Arm("d2", 0.8),), part="b", axis="target size"),
     Group("q4b", "qwen3-4b", 1, 128, 64, (Arm("d4", 0.0), Arm("d4", 0.8)), part="b", axis="target size"),
@@ -137,7 +131,7 @@ class Models:
         self.target: Any = None
         self.rule: torch.Tensor | None = None
         self.drafts: dict[str, Any] = {}
-        self.by_alpha: dict[tuple[str, float, bool], Any] = {}
+        self.by_alpha: dict[tuple[str, float], Any] = {}
         self.build_seconds: dict[str, float] = {}
 
     def use(self, name: str) -> None:
@@ -171,7 +165,7 @@ class Models:
         base = self.drafts[arm.draft]
         if arm.route == "fresh":
             return gm.with_alpha(base, arm.alpha)
-        key = (arm.draft, arm.alpha, arm.route == "cudnn")
+        key = (arm.draft, arm.alpha)
         if key not in self.by_alpha:
             self.by_alpha[key] = gm.with_alpha(base, arm.alpha)
         return self.by_alpha[key]
@@ -214,13 +208,7 @@ def arm_call(models: Models, arm: Arm, inputs: dict, gen: dict, spy: InstallSpy)
             out = models.target.generate(**inputs, **gen, assistant_model=draft)
             return out, spy.specs[-1] if spy.specs else None
         spec = hf_specdec.SpecDecoder(draft_model=draft)
-        if arm.route == "cudnn":
-            os.environ[KEEP_CUDNN_ENV] = "1"
-        try:
-            out = models.target.generate(**inputs, **gen, custom_generate=hf_specdec.generate, spec_decoder=spec)
-        finally:
-            os.environ.pop(KEEP_CUDNN_ENV, None)
-        return out, spec
+        return models.target.generate(**inputs, **gen, custom_generate=hf_specdec.generate, spec_decoder=spec), spec
 
     return call
 

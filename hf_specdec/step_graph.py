@@ -28,7 +28,6 @@ from dataclasses import dataclass
 import torch
 
 from hf_specdec import graph_reuse
-from hf_specdec.attention_backends import cudnn_for_capture
 from hf_specdec.locks import CAPTURE_LOCK
 from hf_specdec.model_guard import ModelGuard
 
@@ -192,15 +191,13 @@ class StepGraph:
         captured = self.graphs.get(key)
         self.steady = captured is not None
         if captured is None and self.eager_steps.get(key, 0) < WARMUP_STEPS:
-            with cudnn_for_capture():  # the kernels (and their plans) the capture will pick
-                self._eager(key)
+            self._eager(key)
             return
         # Host work since the last step (a catch-up forward) may have replaced a state tensor: put it home first,
         # also before a capture, which must read the homes that the graphs captured before it read and write.
         self._rehome()
         if captured is None:
-            with cudnn_for_capture():
-                captured = self._capture(key)
+            captured = self._capture(key)
             if captured is None:  # refused: steps with this key run eagerly
                 self._eager(key)
                 return

@@ -37,18 +37,26 @@ def test_sampling_on_cuda_uses_the_kernels_and_is_seeded() -> None:
     assert torch.equal(outs[0], outs[1])
 
 
-def test_dynamic_calls_run_without_cudnn_attention_static_ones_with_it() -> None:
+def test_dynamic_calls_run_without_cudnn_attention_static_ones_with_it(monkeypatch) -> None:
     """cuDNN's SDPA builds a plan per new shape on the host (20 s first calls on the dynamic path,
-    `hf_specdec.attention_backends`); the static path's shapes are fixed, and its long contexts want cuDNN."""
+    `hf_specdec.attention_backends`); the static path's shapes are fixed, and its long contexts want cuDNN. Each
+    attention call records the flag (eager forwards, warm-ups and captures run Python; replays do not)."""
     target = make_model("llama", seed=0).cuda()
     inputs = {name: t.cuda() for name, t in make_prompts(2, seed=4).items()}
     seen: list[bool] = []
-    spec = hf_specdec.SpecDecoder(method="ngram", on_step=lambda record: seen.append(
-        torch.backends.cuda.cudnn_sdp_enabled()))  # fmt: skip
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording_sdpa(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording_sdpa)
     torch.backends.cuda.enable_cudnn_sdp(True)
     for route, cudnn in (("dynamic", False), (None, True)):
         seen.clear()
+        spec = hf_specdec.SpecDecoder(method="ngram")
         spec_generate(target, inputs, spec, max_new_tokens=8, do_sample=False, eos_token_id=None,
                       cache_implementation=route)  # fmt: skip
+        assert spec.last_stats.num_graph_replays > 0 or route == "dynamic"
         assert seen and all(on == cudnn for on in seen), route
         assert torch.backends.cuda.cudnn_sdp_enabled()

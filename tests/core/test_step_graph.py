@@ -119,24 +119,3 @@ def test_a_kept_graph_runs_its_matmuls_in_its_own_workspace():
     torch.cuda.synchronize()
     torch.testing.assert_close(outs[0], a @ b)
     assert all(bool((f == 7.0).all()) for f in fillers)
-
-
-def test_warm_ups_and_captures_run_with_the_users_cudnn_setting_and_other_steps_without(emulated_graphs):
-    """A graph keeps the attention kernels its capture picked: cuDNN's, as the user left it, where hf_specdec's
-    calls otherwise turn it off (`hf_specdec.attention_backends`)."""
-    from hf_specdec.attention_backends import without_cudnn_attention
-    from hf_specdec.step_graph import WARMUP_STEPS
-
-    found = torch.backends.cuda.cudnn_sdp_enabled()
-    seen: list[bool] = []
-    graph = StepGraph(SpecDecodeStats(), lambda: seen.append(torch.backends.cuda.cudnn_sdp_enabled()), "a test step")
-    try:
-        torch.backends.cuda.enable_cudnn_sdp(True)
-        with without_cudnn_attention(torch.device("cuda")):
-            for _ in range(WARMUP_STEPS + 3):  # warm-ups, then the capture and replays (which run no Python)
-                graph.run("k", fits=True)
-            graph.run(None, fits=True)  # an eager step
-    finally:
-        torch.backends.cuda.enable_cudnn_sdp(found)
-    assert graph.replays == 3
-    assert seen == [True] * (WARMUP_STEPS + 1) + [False]
