@@ -1,6 +1,6 @@
-"""`hf_specdec.attention_backends`: cuDNN's SDPA kernels are off while a call on a GPU runs and the user's setting
-comes back after the last call in flight ends, in whatever order threads end (the flags are process-wide; toggled
-here without a GPU, as torch allows)."""
+"""`hf_specdec.attention_backends`: cuDNN's SDPA kernels are off while a dynamic-path call on a GPU runs (static-path
+calls keep them) and the user's setting comes back after the last call in flight ends, in whatever order threads
+end (the flags are process-wide; toggled here without a GPU, as torch allows)."""
 
 from __future__ import annotations
 
@@ -92,3 +92,27 @@ def test_overlapping_calls_on_threads_restore_once_the_last_ends():
         thread.join(timeout=10)
     assert seen == {"under b after a ended": False}
     assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
+def test_only_dynamic_path_calls_enter_the_switch(monkeypatch):
+    """The static path's lengths are fixed per graph and its long contexts want cuDNN: only dynamic-path calls turn it
+    off (on the CPU the switch itself does nothing; which calls enter it is the same as on a GPU)."""
+    from conftest import make_model, make_prompts, spec_generate
+
+    import hf_specdec
+    from hf_specdec import generation
+
+    entered: list[torch.device] = []
+
+    def recording(device: torch.device):  # noqa: ANN202
+        entered.append(device)
+        return without_cudnn_attention(device)
+
+    monkeypatch.setattr(generation, "without_cudnn_attention", recording)
+    target = make_model("llama", seed=0)
+    inputs = make_prompts(2, seed=4)
+    for route, calls in (("dynamic", 1), ("static", 0)):
+        entered.clear()
+        spec = hf_specdec.SpecDecoder(method="ngram")
+        spec_generate(target, inputs, spec, max_new_tokens=4, do_sample=False, cache_implementation=route)
+        assert len(entered) == calls, route
