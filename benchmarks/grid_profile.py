@@ -132,17 +132,25 @@ def profile_point(models, group, arm, spy) -> dict[str, Any]:  # noqa: ANN001
 
 @contextlib.contextmanager
 def step_and_gc_times() -> Iterator[dict[str, Any]]:
-    """Each loop step's wall time (ms, in order) and the garbage collector's pauses (ms) while the context is open."""
-    found: dict[str, Any] = {"steps_ms": [], "gc_ms": []}
+    """Each loop step's wall time (ms, in order), when the first step began and the last ended (`perf_counter`
+    seconds), and the garbage collector's pauses (ms) while the context is open. `on_first_step` (if set in the
+    dict) is called as the first step begins."""
+    found: dict[str, Any] = {"steps_ms": [], "gc_ms": [], "first_start": None, "last_end": None,
+                             "on_first_step": None}  # fmt: skip
     step = decoding.SpeculativeLoop.step
     started: list[float] = []
 
     def timed_step(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
         start = time.perf_counter()
+        if found["first_start"] is None:
+            found["first_start"] = start
+            if found["on_first_step"] is not None:
+                found["on_first_step"]()
         try:
             return step(self, *args, **kwargs)
         finally:
-            found["steps_ms"].append((time.perf_counter() - start) * 1e3)
+            found["last_end"] = time.perf_counter()
+            found["steps_ms"].append((found["last_end"] - start) * 1e3)
 
     def on_gc(phase: str, info: dict) -> None:
         if phase == "start":
@@ -160,8 +168,11 @@ def step_and_gc_times() -> Iterator[dict[str, Any]]:
 
 
 def spread_point(models, group, arm, spy, calls: int) -> dict[str, Any]:  # noqa: ANN001
-    """Why one point's calls differ: `calls` fresh calls, each after a compiled plain call (as the grid interleaves
-    them), with the call's seconds, its stats, the host parts, every step's wall time and the GC pauses."""
+    """Why one point's calls differ, and where a call's time goes outside its steps: `calls` fresh calls, each after
+    a compiled plain call (as the grid interleaves them), with the call's seconds, its stats, the host parts, every
+    step's wall time, the GC pauses, and the call cut into its setup (until the first step), its first step (the
+    target's prefill), the later steps and what follows them; then the target's eager prefill alone (one logit row
+    per prompt, as `generate` keeps) and a cProfile of one more call's setup on the host."""
     from benchmarks.bench_gpu_grid import SAMPLING, arm_call, call_stats, point_id, shape
     from benchmarks.grid_models import timed
 
@@ -175,7 +186,10 @@ def spread_point(models, group, arm, spy, calls: int) -> dict[str, Any]:  # noqa
         for index in range(calls):
             compiled_seconds, _ = timed(lambda: models.target.generate(**inputs, **gen, cache_implementation="static"))
             with host_parts() as parts, step_and_gc_times() as steps:
+                gm.sync()
+                began = time.perf_counter()
                 seconds, (_, spec) = timed(ours)
+                ended = began + seconds
             stats = {k: v for k, v in call_stats(spec).items() if k != "spec"}
             ordered = sorted(steps["steps_ms"])
             row = dict(call=index, seconds=seconds, compiled_seconds=compiled_seconds, stats=stats,
@@ -183,8 +197,37 @@ def spread_point(models, group, arm, spy, calls: int) -> dict[str, Any]:  # noqa
                        gc=dict(count=len(steps["gc_ms"]), total_ms=round(sum(steps["gc_ms"]), 2),
                                max_ms=max(steps["gc_ms"], default=0.0)),
                        step_ms_median=ordered[len(ordered) // 2] if ordered else None,
+                       setup_ms=round((steps["first_start"] - began) * 1e3, 2),
+                       first_step_ms=round(steps["steps_ms"][0], 2),
+                       later_steps_ms=round(sum(steps["steps_ms"][1:]), 2),
+                       after_steps_ms=round((ended - steps["last_end"]) * 1e3, 2),
                        slowest_steps_ms=[(i, round(t, 2)) for i, t in sorted(enumerate(steps["steps_ms"]),
                                                                               key=lambda x: -x[1])[:6]])  # fmt: skip
             print(json.dumps(row), flush=True)
             rows.append(row)
-    return dict(point=point_id(group, arm), calls=rows)
+        prefill_seconds, _ = timed(lambda: models.target(**inputs, logits_to_keep=1))
+        setup_profile = profile_setup(ours)
+    print(f"plain eager prefill: {prefill_seconds * 1e3:.2f} ms")
+    print(setup_profile)
+    return dict(
+        point=point_id(group, arm), calls=rows, plain_prefill_ms=prefill_seconds * 1e3, setup_profile=setup_profile
+    )
+
+
+def profile_setup(call) -> str:  # noqa: ANN001
+    """cProfile of one call of `call` from its start to its first step (the call's setup on the host), as text."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    with step_and_gc_times() as steps:
+        steps["on_first_step"] = profiler.disable
+        profiler.enable()
+        call()
+        profiler.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("cumulative").print_stats(30)
+    stats.sort_stats("tottime").print_stats(20)
+    return text.getvalue()
