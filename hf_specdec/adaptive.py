@@ -81,6 +81,12 @@ def calibration_widths(max_k: int) -> list[int]:
     return sorted({*grid, max_k + 1})
 
 
+#: after this many plain steps in a row, drafting steps' measured costs are forgotten (`AdaptiveSchedule.explore`)
+REPROBE_AFTER = 128
+#: the longest interval between re-probes that keep finding drafting not worth choosing (`AdaptiveSchedule.explore`)
+REPROBE_AFTER_MAX = 1024
+
+
 class AcceptanceStats:
     """
     Per draft key, the chance S(j) that drafts 1..j are all accepted (a product-limit estimate over steps).
@@ -220,6 +226,9 @@ class StepCosts:
     min_samples: int = 2
     idle_decay: float = 0.99  # per plain step: a drafting cost not re-measured fades (speculation is re-tried)
     plain_streak: int = 0  # static caches: plain steps chosen in a row, across calls (`AdaptiveSchedule.explore`)
+    #: plain steps in a row before the next re-probe: `REPROBE_AFTER`, doubled (up to `REPROBE_AFTER_MAX`) by each
+    #: re-probe that found drafting not worth choosing, back to `REPROBE_AFTER` when a step drafts by choice
+    reprobe_after: int = REPROBE_AFTER
 
     def calibrate(self, time_verify: Callable[[int], float], widths: Sequence[int]) -> None:
         """Time a forward of `per_call` widths (the fastest of all timings of a width is kept): those timed least,
@@ -353,8 +362,6 @@ class AdaptiveSchedule(SpeculationSchedule):
             every rank takes the first rank's cost table: the same choices, hence the same forwards on every rank.
     """
 
-    #: after this many plain steps in a row, drafting steps' measured costs are forgotten (`explore`)
-    REPROBE_AFTER = 128
     #: dynamic caches, a draft model: a choice to draft nothing holds this many steps before the next choice. What
     #: moves the choice (row records fading, the drafting cost fading to its prior, idle keys drifting back) moves a
     #: few percent per step, and choosing costs about 60 host operations: a step of a small target on the CPU, or
@@ -507,7 +514,7 @@ class AdaptiveSchedule(SpeculationSchedule):
                 clip=not self.static,
             )
         self.first_step = self.pending is None
-        if self.held and step is not None and step.costs.plain_streak < self.REPROBE_AFTER:
+        if self.held and step is not None and step.costs.plain_streak < step.costs.reprobe_after:
             # the latest choice drafts nothing and still holds (until a re-probe is due): no new choice
             self.held -= 1
             step.costs.plain_streak += 1  # as `explore` counts every plain step
@@ -635,14 +642,22 @@ class AdaptiveSchedule(SpeculationSchedule):
         `plain_samples_needed` of its own steady steps were timed at this batch size: drafting is tried first
         (until measured, however poor the drafts look), then, after three drafting steps, plain steps. Costs are
         kept across calls: only a model's first call at a batch size pays these few steps. After a re-probe's
-        forgetting a useless draft costs two drafting steps per `REPROBE_AFTER` plain ones (about 1% on an H100 at
-        batch 1)."""
+        forgetting a useless draft costs two drafting steps (and a draft model's catch-up of the tokens it missed).
+
+        Re-probes back off: each one after which no step drafts by choice doubles the interval to the next, up to
+        `REPROBE_AFTER_MAX`; a step that drafts by choice (a re-probe that found drafting pays, or estimates that
+        faded back to it) sets it back to `REPROBE_AFTER`. A re-probe costs little beside 128 plain steps for a small
+        draft (about 1% on an H100 at batch 1), but not for a deep one: on an H200, a 28-layer draft's re-probes and
+        catch-ups took 10% of a Qwen3-8B target's 256-token call at acceptance 0 (docs/benchmarks.md)."""
         if self.pending is None:
             return None
         costs = self.pending.costs
+        if drafting and costs.plain_streak == 0:  # a second drafting step by choice in a row: drafting pays again
+            costs.reprobe_after = REPROBE_AFTER
         costs.plain_streak = 0 if drafting else costs.plain_streak + 1
-        if costs.plain_streak > self.REPROBE_AFTER:  # re-measure drafting now and then: costs change, and err
+        if costs.plain_streak > costs.reprobe_after:  # re-measure drafting now and then: costs change, and err
             costs.plain_streak = 0
+            costs.reprobe_after = min(2 * costs.reprobe_after, REPROBE_AFTER_MAX)  # until a step drafts by choice
             for width in range(2, self.max_k + 2):
                 costs.at(self.pending.bucket).forget(width)  # measured anew, as in a first call
         if not self.plain_samples_needed:

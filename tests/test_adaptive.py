@@ -3,6 +3,7 @@ step by step against simulated costs and acceptance, and greedy equality end to 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import pytest
@@ -418,12 +419,13 @@ def _drive_captured(
     steps: int = 40,
     slow: Callable[[int, str], float] | None = None,
     seed: int = 0,
+    drafting_seconds: float = 0.017,
 ) -> str:
     """One call on static caches against the costs of captured steps on an H100 at batch 1 (a plain step 10.5 ms, a
-    drafting step 17 ms), with a calibration whose eager width-1 forward paid a one-time 925 ms (as measured there);
-    each kind's first step of the call is a warm-up or a capture (`discard_timing`). Returns the kinds run
-    ("d" drafting, "p" plain) after the prefill step. `slow(index, kind)`: seconds a step takes on top (a hiccup of
-    the machine in a step counted as steady)."""
+    drafting step `drafting_seconds`: 17 ms with a 4-layer draft), with a calibration whose eager width-1 forward
+    paid a one-time 925 ms (as measured there); each kind's first step of the call is a warm-up or a capture
+    (`discard_timing`). Returns the kinds run ("d" drafting, "p" plain) after the prefill step. `slow(index, kind)`:
+    seconds a step takes on top (a hiccup of the machine in a step counted as steady)."""
     clock = FakeClock()
     monkeypatch.setattr(adaptive.time, "perf_counter", clock)
     schedule.calibrate(lambda width: 0.925 if width == 1 else 0.03)
@@ -441,7 +443,7 @@ def _drive_captured(
         if kind not in seen:  # a warm-up or a capture: longer than such steps take from now on
             seen.add(kind)
             schedule.discard_timing()
-        clock.now += (0.017 if kind == "d" else 0.0105) + (0.2 if kind not in kinds else 0.0)
+        clock.now += (drafting_seconds if kind == "d" else 0.0105) + (0.2 if kind not in kinds else 0.0)
         clock.now += slow(len(kinds), kind) if slow is not None else 0.0
         kinds.append(kind)
     return "".join(kinds[1:])
@@ -554,8 +556,40 @@ def test_a_drafting_cost_measured_too_high_is_measured_again(monkeypatch):
         schedule = AdaptiveSchedule(4, model, "draft:0", propose_first=False, draft_share=0.015, static=True)
         later += _drive_captured(monkeypatch, schedule, 0.8, steps=60)
     reprobe = later.index("d")
-    assert reprobe <= AdaptiveSchedule.REPROBE_AFTER + 1, later
+    assert reprobe <= adaptive.REPROBE_AFTER + 1, later
     assert later[reprobe + 10 :].count("d") >= 0.9 * len(later[reprobe + 10 :]), later
+
+
+def test_re_probes_of_a_useless_deep_draft_back_off_and_a_draft_that_turns_good_is_used_again(monkeypatch):
+    """A useless draft whose drafting step costs 3.5 plain ones (a 28-layer draft of an 8B target): each re-probe
+    that finds drafting not worth choosing doubles the plain steps before the next, up to `REPROBE_AFTER_MAX`
+    (every 128 steps, a re-probe and a deep draft's catch-up took 10% of a call on an H200). When the draft turns
+    good enough to pay for its cost, the next re-probe finds it, it drafts again, and the interval is back to
+    `REPROBE_AFTER`."""
+
+    class Model:
+        pass
+
+    model = Model()
+
+    def calls(alpha: float, count: int) -> str:
+        kinds = ""
+        for index in range(count):
+            schedule = AdaptiveSchedule(4, model, "draft:0", propose_first=False, draft_share=0.07, static=True)
+            kinds += _drive_captured(monkeypatch, schedule, alpha, steps=60, seed=index, drafting_seconds=0.036)
+        return kinds
+
+    useless = calls(0.0, 60)
+    gaps = [len(run) for run in re.findall("p+", useless)][:-1]  # plain steps between drafting steps
+    expected = [adaptive.REPROBE_AFTER * 2**i for i in range(4)]
+    assert all(abs(gap - want) <= 4 for gap, want in zip(gaps, expected)), gaps
+    assert gaps[4:] and all(abs(gap - adaptive.REPROBE_AFTER_MAX) <= 4 for gap in gaps[4:]), gaps
+    assert useless.count("d") <= 0.01 * len(useless), useless.count("d")  # every 128 steps: 2.4%
+    good = calls(1.0, 30)  # 5 tokens a drafting step of 3.4 plain ones
+    first = good.index("d")
+    assert first <= adaptive.REPROBE_AFTER_MAX + 4, first
+    assert good[first + 10 :].count("d") >= 0.9 * len(good[first + 10 :]), good
+    assert adaptive._MEMORY[model].costs[("draft:0@static", 1)].reprobe_after == adaptive.REPROBE_AFTER
 
 
 def test_calibration_times_every_small_width_and_a_sparse_grid_above():
@@ -598,5 +632,5 @@ def test_dynamic_drafting_costs_measured_too_high_are_measured_again(monkeypatch
             steps.add(width, 0.5)
     later = call() + call() + call()
     reprobe = next(i for i, drafts in enumerate(later) if drafts)
-    assert reprobe <= AdaptiveSchedule.REPROBE_AFTER + 3, later  # each call's prefill step is not a choice
+    assert reprobe <= adaptive.REPROBE_AFTER + 3, later  # each call's prefill step is not a choice
     assert sum(map(bool, later[reprobe + 10 :])) >= 0.9 * len(later[reprobe + 10 :]), later
