@@ -227,7 +227,7 @@ class StepCosts:
     idle_decay: float = 0.99  # per plain step: a drafting cost not re-measured fades (speculation is re-tried)
     plain_streak: int = 0  # static caches: plain steps chosen in a row, across calls (`AdaptiveSchedule.explore`)
     #: plain steps in a row before the next re-probe: `REPROBE_AFTER`, doubled (up to `REPROBE_AFTER_MAX`) by each
-    #: re-probe that found drafting not worth choosing, back to `REPROBE_AFTER` when a step drafts by choice
+    #: re-probe, back to `REPROBE_AFTER` when two steps in a row draft by choice (`AdaptiveSchedule.explore`)
     reprobe_after: int = REPROBE_AFTER
 
     def calibrate(self, time_verify: Callable[[int], float], widths: Sequence[int]) -> None:
@@ -644,11 +644,12 @@ class AdaptiveSchedule(SpeculationSchedule):
         kept across calls: only a model's first call at a batch size pays these few steps. After a re-probe's
         forgetting a useless draft costs two drafting steps (and a draft model's catch-up of the tokens it missed).
 
-        Re-probes back off: each one after which no step drafts by choice doubles the interval to the next, up to
-        `REPROBE_AFTER_MAX`; a step that drafts by choice (a re-probe that found drafting pays, or estimates that
-        faded back to it) sets it back to `REPROBE_AFTER`. A re-probe costs little beside 128 plain steps for a small
-        draft (about 1% on an H100 at batch 1), but not for a deep one: on an H200, a 28-layer draft's re-probes and
-        catch-ups took 10% of a Qwen3-8B target's 256-token call at acceptance 0 (docs/benchmarks.md)."""
+        Re-probes back off: each one doubles the interval to the next, up to `REPROBE_AFTER_MAX`, until two steps
+        in a row draft by choice (a re-probe found that drafting pays), which set it back to `REPROBE_AFTER`. One
+        such step alone does not: estimates fading back towards drafting try a step now and then, and a useless
+        draft fails it. A re-probe costs little beside 128 plain steps for a small draft (about 1% on an H100 at
+        batch 1), but not for a deep one: on an H200, a 28-layer draft's re-probes and catch-ups took 10% of a
+        Qwen3-8B target's 256-token call at acceptance 0 (docs/benchmarks.md)."""
         if self.pending is None:
             return None
         costs = self.pending.costs

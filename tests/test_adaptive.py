@@ -561,7 +561,7 @@ def test_a_drafting_cost_measured_too_high_is_measured_again(monkeypatch):
 
 
 def test_re_probes_of_a_useless_deep_draft_back_off_and_a_draft_that_turns_good_is_used_again(monkeypatch):
-    """A useless draft whose drafting step costs 3.5 plain ones (a 28-layer draft of an 8B target): each re-probe
+    """A useless draft whose drafting step costs 3.4 plain ones (a 28-layer draft of an 8B target): each re-probe
     that finds drafting not worth choosing doubles the plain steps before the next, up to `REPROBE_AFTER_MAX`
     (every 128 steps, a re-probe and a deep draft's catch-up took 10% of a call on an H200). When the draft turns
     good enough to pay for its cost, the next re-probe finds it, it drafts again, and the interval is back to
