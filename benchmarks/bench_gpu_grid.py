@@ -14,8 +14,9 @@ A group is one target and one shape (batch, prompt, answer, sampling); its point
 in one process: a warm-up round (every arm's first call at these shapes, timed: plain eager's is the reference
 output; compiled plain runs twice, its second call compiles again), then `--rounds` rounds (3), each timing compiled
 plain and then every arm once; ratios are per round against that round's compiled plain, reported as min and
-median. Plain eager is timed once (its first call at the shapes) unless `--eager-rounds` asks for more (it is the
-costliest arm: 30 ms a token at 8B). Arms: hf_specdec with no flags through `custom_generate` with a fresh
+median, with each timed call's garbage-collector pauses (`gc_pause_ms`: one collection once paused a 312 ms call
+for 312 ms). Plain eager is timed once (its first call at the shapes) unless `--eager-rounds` asks for more (it is
+the costliest arm: 30 ms a token at 8B). Arms: hf_specdec with no flags through `custom_generate` with a fresh
 `SpecDecoder(draft_model=draft)` per call; at a few points the same through `hf_specdec.install()` and
 `assistant_model=draft` (no other flag); at one a fresh draft object every call. Library state is never reset
 between rounds or groups (what users get); each alpha is its own draft object. S* per point comes from forward costs
@@ -247,7 +248,8 @@ def run_group(models: Models, group: Group, rounds: int, eager_rounds: int, spy:
     calls = {arm.name: arm_call(models, arm, inputs, gen, spy) for arm in group.arms}
     compiled_before = _compiled_graphs()
     first: dict[str, float] = {}
-    with torch.no_grad():
+    gc_ms: dict[str, list[float]] = {"plain_compiled": [], **{name: [] for name in calls}}  # per timed round
+    with torch.no_grad(), gm.GcPauses() as pauses:
         first["plain_eager"], reference = gm.timed(lambda: target.generate(**inputs, **gen))
         times: dict[str, list[float]] = {"plain_compiled": [], "plain_eager": []}
         stats: dict[str, list[dict]] = {name: [] for name in calls}
@@ -264,10 +266,13 @@ def run_group(models: Models, group: Group, rounds: int, eager_rounds: int, spy:
         for r in range(rounds):
             if r < eager_rounds:
                 times["plain_eager"].append(gm.timed(lambda: target.generate(**inputs, **gen))[0])
+            pauses.take()
             times["plain_compiled"].append(gm.timed(lambda: target.generate(**inputs, **gen,
                                                                          cache_implementation="static"))[0])  # fmt: skip
+            gc_ms["plain_compiled"].append(pauses.take())
             for name, call in calls.items():
                 seconds, (out, spec) = gm.timed(call)
+                gc_ms[name].append(pauses.take())
                 times[name].append(seconds)
                 stats[name].append(call_stats(spec))
                 identical[name].append(bool(torch.equal(out, reference)))
@@ -296,6 +301,7 @@ def run_group(models: Models, group: Group, rounds: int, eager_rounds: int, spy:
         shape=dict(batch=batch, prompt=prompt, answer=answer),
         first_call_s=first,
         seconds=times,
+        gc_pause_ms=gc_ms,
         tokens_per_s=dict(
             plain_eager=tokens / eager, plain_compiled=tokens / statistics.median(times["plain_compiled"])
         ),  # fmt: skip

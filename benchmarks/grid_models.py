@@ -15,6 +15,7 @@ it can be captured (what a captured step pays for it), else eagerly; `ideal_spee
 from __future__ import annotations
 
 import copy
+import gc
 import time
 
 import torch
@@ -104,6 +105,38 @@ def timed(fn):  # noqa: ANN001, ANN201
     result = fn()
     sync()
     return time.perf_counter() - start, result
+
+
+class GcPauses:
+    """The garbage collector's pauses while installed (`with GcPauses() as pauses:`): each pause (ms, `pauses_ms`)
+    and their sum since the last `take()`. In a process holding 8B models, kept graphs and dynamo's caches, one
+    collection paused a call for 312 ms (670 ms against 312 ms for its neighbours): a round's ratio can carry it."""
+
+    def __init__(self) -> None:
+        self.pauses_ms: list[float] = []
+        self._since_take = 0.0
+        self._started: float | None = None
+
+    def __enter__(self) -> GcPauses:
+        gc.callbacks.append(self._on_gc)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        elif self._started is not None:
+            ms = (time.perf_counter() - self._started) * 1e3
+            self.pauses_ms.append(round(ms, 2))
+            self._since_take += ms
+            self._started = None
+
+    def take(self) -> float:
+        """Milliseconds paused since the last `take()`."""
+        ms, self._since_take = self._since_take, 0.0
+        return round(ms, 2)
 
 
 def vocab_size(layout: str) -> int:

@@ -11,7 +11,6 @@ beside it (a captured eager step runs unfused kernels where compiled plain runs 
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
 import time
 from collections import defaultdict
@@ -135,10 +134,8 @@ def step_and_gc_times() -> Iterator[dict[str, Any]]:
     """Each loop step's wall time (ms, in order), when the first step began and the last ended (`perf_counter`
     seconds), and the garbage collector's pauses (ms) while the context is open. `on_first_step` (if set in the
     dict) is called as the first step begins."""
-    found: dict[str, Any] = {"steps_ms": [], "gc_ms": [], "first_start": None, "last_end": None,
-                             "on_first_step": None}  # fmt: skip
+    found: dict[str, Any] = {"steps_ms": [], "first_start": None, "last_end": None, "on_first_step": None}
     step = decoding.SpeculativeLoop.step
-    started: list[float] = []
 
     def timed_step(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
         start = time.perf_counter()
@@ -152,19 +149,13 @@ def step_and_gc_times() -> Iterator[dict[str, Any]]:
             found["last_end"] = time.perf_counter()
             found["steps_ms"].append((found["last_end"] - start) * 1e3)
 
-    def on_gc(phase: str, info: dict) -> None:
-        if phase == "start":
-            started.append(time.perf_counter())
-        elif started:
-            found["gc_ms"].append(round((time.perf_counter() - started.pop()) * 1e3, 2))
-
     decoding.SpeculativeLoop.step = timed_step
-    gc.callbacks.append(on_gc)
     try:
-        yield found
+        with gm.GcPauses() as pauses:
+            found["gc_ms"] = pauses.pauses_ms
+            yield found
     finally:
         decoding.SpeculativeLoop.step = step
-        gc.callbacks.remove(on_gc)
 
 
 def spread_point(models, group, arm, spy, calls: int) -> dict[str, Any]:  # noqa: ANN001
