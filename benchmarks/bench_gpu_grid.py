@@ -23,10 +23,17 @@ between rounds or groups (what users get); each alpha is its own draft object. S
 measured on the same machine (`grid_models.forward_seconds`: replayed CUDA graphs of a 1-wide and a (k + 1)-wide
 target forward and of the draft's forwards, at the group's mid-answer context).
 
-Run (one H100, about 8 minutes in all, split in two commands of under 10 minutes; see `--estimate`):
-    PYTHONPATH=. python benchmarks/bench_gpu_grid.py --part a grid_a.json
-    PYTHONPATH=. python benchmarks/bench_gpu_grid.py --part b grid_b.json
-    python benchmarks/bench_gpu_grid.py --plot docs/grid_h100.png grid_a.json grid_b.json
+Compiled plain compiles each group's shape anew (`torch._dynamo.reset()` first), as a process that runs only that
+shape would: in one process across shapes, transformers' compile config (`dynamic=None`) lets dynamo make a
+recompiled shape's dims dynamic, and later shapes then reuse that graph without compiling (the H200 grid's first
+calls at B = 16 and 64 took 1.1 and 2.3 s). `--shared-compile` keeps the old behaviour.
+
+Run (one GPU, in three commands of under 10 minutes each: `--estimate` prints rough H100 seconds, and runs took 1.7
+to 2.3 times as long):
+    PYTHONPATH=. python benchmarks/bench_gpu_grid.py --part a grid_a.json   # 8B: alpha, depth, fresh, sampling, N
+    PYTHONPATH=. python benchmarks/bench_gpu_grid.py --part c grid_c.json   # 8B: prompt length, batch; 1B, N 1 024
+    PYTHONPATH=. python benchmarks/bench_gpu_grid.py --part b grid_b.json   # Qwen3-8B, 1.7B, 4B; Llama-3B
+    python benchmarks/bench_gpu_grid.py --plot docs/grid_h100.png grid_a.json grid_c.json grid_b.json
     PYTHONPATH=. python benchmarks/bench_gpu_grid.py --profile 'q8-p1k-n256/d28@0.7' profile.json
 `--dry-run` runs all of it on the CPU with tiny shapes (and, where tests/emulated_graphs.py is present, the captured
 static path that a GPU takes, with CUDA graphs emulated).
@@ -92,15 +99,15 @@ GRID = (
     Group("8b-fresh", "llama-8b", 1, 128, 64, (Arm("d4", 0.0, "fresh"),), axis="a new draft object every call"),
     Group("8b-sampling", "llama-8b", 1, 128, 64, (Arm("d4", 0.8),), sample=True, axis="sampling"),
     Group("8b-n256", "llama-8b", 1, 128, 256, (Arm("d4", 0.0), Arm("d4", 0.8)), axis="answer length"),
-    Group("8b-p1k", "llama-8b", 1, 1024, 64, (Arm("d4", 0.8),), axis="prompt length"),
-    Group("8b-p4k", "llama-8b", 1, 4096, 64, (Arm("d4", 0.0), Arm("d4", 0.8)), axis="prompt length"),
-    Group("8b-b4", "llama-8b", 4, 128, 64, (Arm("d4", 0.8),), axis="batch"),
-    Group("8b-b16", "llama-8b", 16, 128, 64, (Arm("d4", 0.8),), axis="batch"),
-    Group("8b-b64", "llama-8b", 64, 128, 64, (Arm("d4", 0.0), Arm("d4", 0.8)), axis="batch"),
+    Group("8b-p1k", "llama-8b", 1, 1024, 64, (Arm("d4", 0.8),), part="c", axis="prompt length"),
+    Group("8b-p4k", "llama-8b", 1, 4096, 64, (Arm("d4", 0.0), Arm("d4", 0.8)), part="c", axis="prompt length"),
+    Group("8b-b4", "llama-8b", 4, 128, 64, (Arm("d4", 0.8),), part="c", axis="batch"),
+    Group("8b-b16", "llama-8b", 16, 128, 64, (Arm("d4", 0.8),), part="c", axis="batch"),
+    Group("8b-b64", "llama-8b", 64, 128, 64, (Arm("d4", 0.0), Arm("d4", 0.8)), part="c", axis="batch"),
     Group("q8-p1k-n256", "qwen3-8b", 1, 1024, 256, (Arm("d28", 0.7), Arm("d28", 0.0)), part="b",
           axis="the held-out pair: Qwen3 layout, 28-layer draft, longer prompt and answer"),
     Group("q8-tuned", "qwen3-8b", 1, 128, 64, (Arm("d4", 0.8),), part="b", axis="target layout"),
-    Group("1b-n1024", "llama-1b", 1, 128, 1024, (Arm("d2", 0.0), Arm("d2", 0.8)), part="b",
+    Group("1b-n1024", "llama-1b", 1, 128, 1024, (Arm("d2", 0.0), Arm("d2", 0.8)), part="c",
           axis="answer length, target size"),
     Group("q1.7b", "qwen3-1.7b", 1, 128, 64, (Arm("d2", 0.8),), part="b", axis="target size"),
     Group("q4b", "qwen3-4b", 1, 128, 64, (Arm("d4", 0.0), Arm("d4", 0.8)), part="b", axis="target size"),
@@ -236,10 +243,15 @@ def rule_agreement(models: Models, reference: torch.Tensor, prompt: int) -> floa
     return float((models.rule[new[:, :-1]] == new[:, 1:]).float().mean())
 
 
-def run_group(models: Models, group: Group, rounds: int, eager_rounds: int, spy: InstallSpy) -> dict[str, Any]:
-    """Warm-up round, then `rounds` interleaved rounds of compiled plain and every arm (see the module doc)."""
+def run_group(
+    models: Models, group: Group, rounds: int, eager_rounds: int, spy: InstallSpy, fresh_compile: bool = True
+) -> dict[str, Any]:
+    """Warm-up round, then `rounds` interleaved rounds of compiled plain and every arm (see the module doc).
+    `fresh_compile`: compiled plain compiles this group's shape anew, as in a process that runs only this shape."""
     started = time.perf_counter()
     models.use(group.target)
+    if fresh_compile and gm.Setup.device == "cuda":
+        torch._dynamo.reset()  # compiled plain's graphs of earlier shapes (hf_specdec's default compiles nothing)
     batch, prompt, answer = shape(group)
     layout = gm.TARGETS[group.target][0]
     inputs = gm.prompts(batch, prompt, gm.vocab_size(layout))
@@ -334,7 +346,8 @@ def meta(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.cuda.get_device_name() if gm.Setup.device == "cuda" else platform.processor() or "cpu"
     return dict(gpu=device, torch=torch.__version__, transformers=transformers.__version__,
                 python=platform.python_version(), command=" ".join(sys.argv), rounds=args.rounds,
-                eager_rounds=args.eager_rounds, k=K, dry_run=args.dry_run)  # fmt: skip
+                eager_rounds=args.eager_rounds, k=K, dry_run=args.dry_run,
+                fresh_compile=not args.shared_compile)  # fmt: skip
 
 
 def limit_recompiles() -> None:
@@ -372,7 +385,7 @@ def emulate_graphs() -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", nargs="*", help="JSON to write (a run or --profile), or the JSONs to read (--plot)")
-    parser.add_argument("--part", choices=["a", "b", "all"], default="all")
+    parser.add_argument("--part", choices=["a", "b", "c", "all"], default="all")
     parser.add_argument("--groups", nargs="+", default=None, help="only these groups (names in GRID)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--eager-rounds", type=int, default=0, help="timed plain eager calls after its first")
@@ -381,6 +394,11 @@ def main() -> None:
     parser.add_argument("--profile", metavar="POINT", default=None, help="profile one point (an id printed by a run)")
     parser.add_argument("--spread", type=int, default=0, metavar="N", help="with --profile: N fresh calls, each timed")
     parser.add_argument("--estimate", action="store_true", help="print the estimated H100 seconds per group")
+    parser.add_argument(
+        "--shared-compile",
+        action="store_true",
+        help="compiled plain keeps its graphs across groups (dims of a recompiled shape turn dynamic)",
+    )
     args = parser.parse_args()
     selected(args.part, args.groups)  # a bad --groups fails before any model work
     if args.plot:
@@ -391,7 +409,7 @@ def main() -> None:
     if args.estimate:
         from benchmarks.grid_report import estimate
 
-        estimate(selected(args.part, args.groups), args.rounds, args.eager_rounds)
+        estimate(selected(args.part, args.groups), args.rounds, args.eager_rounds, not args.shared_compile)
         return
     if args.dry_run:
         gm.Setup.use_tiny()
@@ -413,7 +431,8 @@ def main() -> None:
         result = {"meta": meta(args) | ({"emulated_graphs": emulated} if args.dry_run else {}), "groups": []}
         models = Models()
         for group in selected(args.part, args.groups):
-            result["groups"].append(run_group(models, group, args.rounds, args.eager_rounds, spy))
+            result["groups"].append(run_group(models, group, args.rounds, args.eager_rounds, spy,
+                                              fresh_compile=not args.shared_compile))  # fmt: skip
             spy.specs.clear()  # it holds the last routed call's draft
             result["meta"]["build_seconds"] = models.build_seconds
             if out:  # after each group: a run cut short keeps what it measured

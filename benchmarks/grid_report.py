@@ -22,8 +22,9 @@ COMPILE_S = {"first": 19.0, "later": 12.0}
 BUILD_S = 4.0  # building and preparing one target (random weights on the GPU)
 
 
-def estimate(groups: list, rounds: int, eager_rounds: int) -> float:
-    """Print the estimated H100 seconds of each group and their total; return the total."""
+def estimate(groups: list, rounds: int, eager_rounds: int, fresh_compile: bool = True) -> float:
+    """Print the estimated H100 seconds of each group and their total; return the total. `fresh_compile`: compiled
+    plain compiles every group anew (`bench_gpu_grid.py` without `--shared-compile`)."""
     total, seen, shapes = 0.0, set(), set()
     for g in groups:
         batch_factor = 1.0 + 0.01 * g.batch  # steps get dearer with the batch (B = 64: about 1.6x)
@@ -31,9 +32,10 @@ def estimate(groups: list, rounds: int, eager_rounds: int) -> float:
         eager = EAGER_MS[g.target] * batch_factor * g.answer / 1e3
         ours = [compiled / (1.5 if arm.alpha >= 0.7 else 0.95) for arm in g.arms]
         first_shape = g.target not in seen
-        compiles = (g.target, g.batch, g.prompt, g.answer) not in shapes  # sampling reuses the greedy compile
+        new_shape = (g.target, g.batch, g.prompt, g.answer) not in shapes  # sampling reuses the greedy compile
         shapes.add((g.target, g.batch, g.prompt, g.answer))
-        seconds = (BUILD_S if first_shape else 0.0) + compiles * COMPILE_S["first" if first_shape else "later"]
+        compile_s = COMPILE_S["first" if first_shape or (fresh_compile and new_shape) else "later"]
+        seconds = (BUILD_S if first_shape else 0.0) + (fresh_compile or new_shape) * compile_s
         seconds += (rounds + 2) * compiled + (1 + eager_rounds) * eager + sum((rounds + 1) * o + 1.5 for o in ours)
         seconds += 2.0  # forward costs for S*
         seen.add(g.target)
