@@ -32,7 +32,7 @@ def estimate(groups: list, rounds: int, eager_rounds: int, fresh_compile: bool =
         eager = EAGER_MS[g.target] * batch_factor * g.answer / 1e3
         ours = [compiled / (1.5 if arm.alpha >= 0.7 else 0.95) for arm in g.arms]
         first_shape = g.target not in seen
-        new_shape = (g.target, g.batch, g.prompt, g.answer) not in shapes  # sampling reuses the greedy compile
+        new_shape = (g.target, g.batch, g.prompt, g.answer) not in shapes  # shared: sampling reuses greedy's
         shapes.add((g.target, g.batch, g.prompt, g.answer))
         compile_s = COMPILE_S["first" if first_shape or (fresh_compile and new_shape) else "later"]
         seconds = (BUILD_S if first_shape else 0.0) + (fresh_compile or new_shape) * compile_s

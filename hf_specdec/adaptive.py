@@ -658,7 +658,7 @@ class AdaptiveSchedule(SpeculationSchedule):
         costs.plain_streak = 0 if drafting else costs.plain_streak + 1
         if costs.plain_streak > costs.reprobe_after:  # re-measure drafting now and then: costs change, and err
             costs.plain_streak = 0
-            costs.reprobe_after = min(2 * costs.reprobe_after, REPROBE_AFTER_MAX)  # until a step drafts by choice
+            costs.reprobe_after = min(2 * costs.reprobe_after, REPROBE_AFTER_MAX)  # reset above
             for width in range(2, self.max_k + 2):
                 costs.at(self.pending.bucket).forget(width)  # measured anew, as in a first call
         if not self.plain_samples_needed:
