@@ -2,7 +2,8 @@
 
 The models and the synthetic-alpha draft are `bench_gpu_e2e.py`'s (an 8B-shaped bf16 Llama target, a 124M-shaped
 draft right with probability alpha). Baselines, timed in the same process and interleaved: plain eager `generate`
-(no flags) and plain `generate(cache_implementation="static")` (transformers compiles it). hf_specdec runs with no
+(no flags) and plain `generate(cache_implementation="static")` (transformers compiles it; in the interleaved rounds
+with a static cache of its own, reset per call, as `compiled_plain.py` says why). hf_specdec runs with no
 flags (`custom_generate=hf_specdec.generate, spec_decoder=SpecDecoder(draft_model=draft)`: the adaptive schedule
 and, on CUDA, the captured static path) and with `cache_implementation="dynamic"` (the eager path).
 
@@ -39,6 +40,7 @@ import transformers
 
 import hf_specdec
 from benchmarks import bench_gpu_e2e as e2e
+from benchmarks.compiled_plain import CompiledPlain
 from benchmarks.synthetic_eagle3 import build_synthetic_head
 from hf_specdec import graph_reuse, model_guard
 from hf_specdec.sampling.rejection import SAMPLER_ENV
@@ -74,9 +76,10 @@ def run_setting(name: str, target, draft, inputs, alpha: float, n_new: int, roun
     gen = dict(max_new_tokens=n_new, do_sample=sample)
     if sample:
         gen.update(temperature=0.8, top_p=0.9, top_k=0)
+    compiled = CompiledPlain(target)  # a cache of its own: see benchmarks/compiled_plain.py
     plain = {
         "plain_eager": lambda: target.generate(**inputs, **gen),
-        "plain_compiled": lambda: target.generate(**inputs, **gen, cache_implementation="static"),
+        "plain_compiled": lambda: compiled(**inputs, **gen),
     }
     specs: dict[str, hf_specdec.SpecDecoder] = {}
 

@@ -26,7 +26,10 @@ target forward and of the draft's forwards, at the group's mid-answer context).
 Compiled plain compiles each group's shape anew (`torch._dynamo.reset()` first), as a process that runs only that
 shape would: in one process across shapes, transformers' compile config (`dynamic=None`) lets dynamo make a
 recompiled shape's dims dynamic, and later shapes then reuse that graph without compiling (the H200 grid's first
-calls at B = 16 and 64 took 1.1 and 2.3 s). `--shared-compile` keeps the old behaviour.
+calls at B = 16 and 64 took 1.1 and 2.3 s). `--shared-compile` keeps the old behaviour. It runs with a static cache of
+its own, reset per call (`compiled_plain.CompiledPlain`): `cache_implementation="static"` makes a new cache each
+call, which, between our calls, lands at new addresses and makes torch re-record its CUDA graphs every call (6.2-6.8
+s a call at B = 64 on an H200 against 1.1-1.2 s). `--flag-baseline` also times the flag's call, for comparison.
 
 Run (one GPU, in three commands of under 10 minutes each: `--estimate` prints rough H100 seconds, and runs took 1.7
 to 2.3 times as long):
@@ -57,6 +60,7 @@ import transformers
 
 import hf_specdec
 from benchmarks import grid_models as gm
+from benchmarks.compiled_plain import CompiledPlain, flag_call
 from hf_specdec import routing
 
 K = 5  # SpecDecoder's default num_speculative_tokens: hf_specdec runs with no flag
@@ -244,10 +248,18 @@ def rule_agreement(models: Models, reference: torch.Tensor, prompt: int) -> floa
 
 
 def run_group(
-    models: Models, group: Group, rounds: int, eager_rounds: int, spy: InstallSpy, fresh_compile: bool = True
+    models: Models,
+    group: Group,
+    rounds: int,
+    eager_rounds: int,
+    spy: InstallSpy,
+    fresh_compile: bool = True,
+    flag_baseline: bool = False,
 ) -> dict[str, Any]:
     """Warm-up round, then `rounds` interleaved rounds of compiled plain and every arm (see the module doc).
-    `fresh_compile`: compiled plain compiles this group's shape anew, as in a process that runs only this shape."""
+    `fresh_compile`: compiled plain compiles this group's shape anew, as in a process that runs only this shape.
+    `flag_baseline`: each round also times compiled plain as `cache_implementation="static"` makes it (a new cache
+    per call: benchmarks/compiled_plain.py), as `plain_compiled_flag`."""
     started = time.perf_counter()
     models.use(group.target)
     if fresh_compile and gm.Setup.device == "cuda":
@@ -257,13 +269,17 @@ def run_group(
     inputs = gm.prompts(batch, prompt, gm.vocab_size(layout))
     gen = dict(max_new_tokens=answer, do_sample=group.sample, **(SAMPLING if group.sample else {}))
     target = models.target
+    compiled = CompiledPlain(target)
+    baselines = {"plain_compiled": lambda: compiled(**inputs, **gen)}
+    if flag_baseline:
+        baselines["plain_compiled_flag"] = lambda: flag_call(target, **inputs, **gen)
     calls = {arm.name: arm_call(models, arm, inputs, gen, spy) for arm in group.arms}
     compiled_before = _compiled_graphs()
     first: dict[str, float] = {}
-    gc_ms: dict[str, list[float]] = {"plain_compiled": [], **{name: [] for name in calls}}  # per timed round
+    gc_ms: dict[str, list[float]] = {**{name: [] for name in baselines}, **{name: [] for name in calls}}  # per round
     with torch.no_grad(), gm.GcPauses() as pauses:
         first["plain_eager"], reference = gm.timed(lambda: target.generate(**inputs, **gen))
-        times: dict[str, list[float]] = {"plain_compiled": [], "plain_eager": []}
+        times: dict[str, list[float]] = {**{name: [] for name in baselines}, "plain_eager": []}
         stats: dict[str, list[dict]] = {name: [] for name in calls}
         identical: dict[str, list[bool]] = {name: [] for name in calls}
         for name, call in calls.items():
@@ -272,16 +288,16 @@ def run_group(
             stats[name].append(dict(call_stats(spec), warmup=True))
             identical[name].append(bool(torch.equal(out, reference)))
             times[name] = []
-        for i in (1, 2):  # its second call compiles again
-            first[f"plain_compiled_{i}"], _ = gm.timed(lambda: target.generate(**inputs, **gen,
-                                                                           cache_implementation="static"))  # fmt: skip
+        for name, baseline in baselines.items():
+            for i in (1, 2):  # its second call compiles again
+                first[f"{name}_{i}"], _ = gm.timed(baseline)
         for r in range(rounds):
             if r < eager_rounds:
                 times["plain_eager"].append(gm.timed(lambda: target.generate(**inputs, **gen))[0])
             pauses.take()
-            times["plain_compiled"].append(gm.timed(lambda: target.generate(**inputs, **gen,
-                                                                         cache_implementation="static"))[0])  # fmt: skip
-            gc_ms["plain_compiled"].append(pauses.take())
+            for name, baseline in baselines.items():
+                times[name].append(gm.timed(baseline)[0])
+                gc_ms[name].append(pauses.take())
             for name, call in calls.items():
                 seconds, (out, spec) = gm.timed(call)
                 gc_ms[name].append(pauses.take())
@@ -294,6 +310,11 @@ def run_group(
     points = []
     for arm in group.arms:
         per_round = [c / o for c, o in zip(times["plain_compiled"], times[arm.name])]
+        if flag_baseline:
+            flag_rounds = [c / o for c, o in zip(times["plain_compiled_flag"], times[arm.name])]
+            flag = dict(vs_compiled_flag=dict(min=min(flag_rounds), median=statistics.median(flag_rounds)))
+        else:
+            flag = {}
         draft_costs = dict(costs, draft_w1=costs[f"{arm.draft}_w1"], draft_w2=costs[f"{arm.draft}_w2"])
         points.append(dict(
             id=point_id(group, arm), group=group.name, axis=group.axis, target=group.target, draft=arm.draft,
@@ -302,7 +323,7 @@ def run_group(
             vs_eager=eager / statistics.median(times[arm.name]),
             tokens_per_s=tokens / statistics.median(times[arm.name]), first_call_s=first[arm.name],
             identical=None if group.sample else all(identical[arm.name]), stats=stats[arm.name],
-            **gm.ideal_speedup(arm.alpha, K, draft_costs),
+            **gm.ideal_speedup(arm.alpha, K, draft_costs), **flag,
         ))  # fmt: skip
         print(json.dumps({key: points[-1][key] for key in ("id", "s_star", "first_call_s", "identical")}
                          | {"vs_compiled": [round(points[-1]["vs_compiled"][q], 3) for q in ("min", "median")],
@@ -347,7 +368,8 @@ def meta(args: argparse.Namespace) -> dict[str, Any]:
     return dict(gpu=device, torch=torch.__version__, transformers=transformers.__version__,
                 python=platform.python_version(), command=" ".join(sys.argv), rounds=args.rounds,
                 eager_rounds=args.eager_rounds, k=K, dry_run=args.dry_run,
-                fresh_compile=not args.shared_compile)  # fmt: skip
+                fresh_compile=not args.shared_compile, compiled_plain="kept StaticCache per shape, reset per call",
+                flag_baseline=args.flag_baseline)  # fmt: skip
 
 
 def limit_recompiles() -> None:
@@ -399,6 +421,11 @@ def main() -> None:
         action="store_true",
         help="compiled plain keeps its graphs across groups (dims of a recompiled shape turn dynamic)",
     )
+    parser.add_argument(
+        "--flag-baseline",
+        action="store_true",
+        help='also time compiled plain as cache_implementation="static" makes it (a new cache per call)',
+    )
     args = parser.parse_args()
     selected(args.part, args.groups)  # a bad --groups fails before any model work
     if args.plot:
@@ -432,7 +459,8 @@ def main() -> None:
         models = Models()
         for group in selected(args.part, args.groups):
             result["groups"].append(run_group(models, group, args.rounds, args.eager_rounds, spy,
-                                              fresh_compile=not args.shared_compile))  # fmt: skip
+                                              fresh_compile=not args.shared_compile,
+                                              flag_baseline=args.flag_baseline))  # fmt: skip
             spy.specs.clear()  # it holds the last routed call's draft
             result["meta"]["build_seconds"] = models.build_seconds
             if out:  # after each group: a run cut short keeps what it measured

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from benchmarks import grid_models as gm
+from benchmarks.compiled_plain import CompiledPlain
 from benchmarks.profile_batched_gpu import kernel_class
 from hf_specdec import decoding, draft_budgets, step_graph
 
@@ -91,9 +92,10 @@ def profile_point(models, group, arm, spy) -> dict[str, Any]:  # noqa: ANN001
     inputs = gm.prompts(batch, prompt, gm.vocab_size(gm.TARGETS[group.target][0]))
     gen = dict(max_new_tokens=answer, do_sample=group.sample, **(SAMPLING if group.sample else {}))
     ours = arm_call(models, arm, inputs, gen, spy)
+    compiled_plain = CompiledPlain(models.target)
 
     def compiled() -> torch.Tensor:
-        return models.target.generate(**inputs, **gen, cache_implementation="static")
+        return compiled_plain(**inputs, **gen)
 
     with torch.no_grad():
         for _ in range(2):
@@ -172,10 +174,11 @@ def spread_point(models, group, arm, spy, calls: int) -> dict[str, Any]:  # noqa
     inputs = gm.prompts(batch, prompt, gm.vocab_size(gm.TARGETS[group.target][0]))
     gen = dict(max_new_tokens=answer, do_sample=group.sample, **(SAMPLING if group.sample else {}))
     ours = arm_call(models, arm, inputs, gen, spy)
+    compiled_plain = CompiledPlain(models.target)
     rows = []
     with torch.no_grad():
         for index in range(calls):
-            compiled_seconds, _ = timed(lambda: models.target.generate(**inputs, **gen, cache_implementation="static"))
+            compiled_seconds, _ = timed(lambda: compiled_plain(**inputs, **gen))
             with host_parts() as parts, step_and_gc_times() as steps:
                 gm.sync()
                 began = time.perf_counter()
