@@ -153,7 +153,7 @@ class StaticCacheView(CacheView):
         """Columns [offset, offset + w) take `columns` ([B, w]: buffer indices, -1 for holes) and every layer's write
         offset moves there (the cache compacts first when w more columns might not fit)."""
         if self.offset_bound + columns.shape[1] > self.max_columns:
-            self._make_room(columns.shape[1])
+            self.make_room(columns.shape[1])
         write = self.offset + torch.arange(columns.shape[1], device=columns.device)  # [w]
         self.column_index.index_copy_(1, write, columns)
         # The write offset of every layer: one fused device copy per device the layers sit on (no host sync; one
@@ -182,7 +182,7 @@ class StaticCacheView(CacheView):
             self.recurrent.rollback(self.cached_lengths)
         self.offset = ((self.columns + 1) * keep.any(0)).max()  # last used column + 1, or 0
 
-    def _make_room(self, width: int) -> None:
+    def make_room(self, width: int) -> None:
         """Read the true offset (one host sync); compact in place when `width` more columns would not fit."""
         self.offset_bound = int(self.offset.item())
         if self.offset_bound + width <= self.max_columns:

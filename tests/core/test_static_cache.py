@@ -62,6 +62,28 @@ def test_static_long_generation_compacts_in_place_and_stays_exact(monkeypatch):
     assert spec.last_stats.num_compactions > 0
 
 
+def test_captured_steps_compact_between_steps_and_still_replay(emulated_graphs, monkeypatch):
+    """Ragged rows leave holes until a cache must compact. It compacts before the step, which still replays: no
+    captured step runs eagerly to compact inside its forward (on an H200 such steps took 4-8 times a replay)."""
+    from hf_specdec import cache_route
+    from hf_specdec.step_graph import StepGraph
+
+    monkeypatch.setattr(cache_route, "STATIC_LENGTH_BUCKET", 1)  # exactly the room below
+    monkeypatch.setattr(cache_route, "STATIC_HOLE_ROOM", 8)  # little room for holes: compact often
+    fitted = []  # per planned step: whether it fits without compacting inside its forwards
+    run = StepGraph.run
+    monkeypatch.setattr(StepGraph, "run", lambda self, key, fits: (fitted.append(fits), run(self, key, fits))[1])
+    target = make_model("llama", seed=0)
+    spec = hf_specdec.SpecDecoder(draft_model=make_noisy_copy(target, noise=0.2, seed=3), num_speculative_tokens=4)
+    inputs = make_prompts(4, seed=5)
+    gen = dict(max_new_tokens=80, do_sample=False, eos_token_id=None)
+    out = spec_generate(target, inputs, spec, **gen, cache_implementation="static")
+    assert torch.equal(out, target.generate(**inputs, **gen))
+    stats = spec.last_stats
+    assert stats.num_compactions > 0 and stats.num_graph_replays > 0
+    assert fitted and all(fitted)
+
+
 @pytest.mark.library_default
 @pytest.mark.parametrize("batch_size", [1, 3])
 def test_static_adaptive_planned_steps_match_plain_generate(batch_size, monkeypatch):
