@@ -15,7 +15,7 @@ in one process: a warm-up round (every arm's first call at these shapes, timed: 
 output; compiled plain runs twice, its second call compiles again), then `--rounds` rounds (3), each timing compiled
 plain and then every arm once; ratios are per round against that round's compiled plain, reported as min and
 median, with each timed call's garbage-collector pauses (`gc_pause_ms`: one collection once paused a 312 ms call
-for 312 ms). Plain eager is timed once (its first call at the shapes) unless `--eager-rounds` asks for more (it is
+for 312 ms; another, a 0.85 s call for 1.5 s, so the warm-up's garbage is collected before the timed rounds). Plain eager is timed once (its first call at the shapes) unless `--eager-rounds` asks for more (it is
 the costliest arm: 30 ms a token at 8B). Arms: hf_specdec with no flags through `custom_generate` with a fresh
 `SpecDecoder(draft_model=draft)` per call; at a few points the same through `hf_specdec.install()` and
 `assistant_model=draft` (no other flag); at one a fresh draft object every call. Library state is never reset
@@ -291,6 +291,10 @@ def run_group(
         for name, baseline in baselines.items():
             for i in (1, 2):  # its second call compiles again
                 first[f"{name}_{i}"], _ = gm.timed(baseline)
+        # The warm-up's garbage (above all, the compiled plain graphs that `torch._dynamo.reset()` dropped for earlier
+        # groups) is collected here, untimed: on an H200 one collection inside a timed B = 64 call took 1.5 s.
+        # Collections that the timed calls cause themselves still land in them (`gc_pause_ms`).
+        first["gc_collect_after_warmup"], _ = gm.timed(gc.collect)
         for r in range(rounds):
             if r < eager_rounds:
                 times["plain_eager"].append(gm.timed(lambda: target.generate(**inputs, **gen))[0])
