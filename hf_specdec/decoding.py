@@ -313,7 +313,8 @@ class SpeculativeLoop:
         self.block = 1
         if self.step_graph is not None and self.prefilled:  # host decisions first, then the device work
             key = self.plan_step()
-            self.step_graph.run(key, fits=self._make_room())
+            self._make_room()
+            self.step_graph.run(key)
         else:
             self.device_step()
         for _ in range(self.block):
@@ -355,20 +356,16 @@ class SpeculativeLoop:
                 self.frozen |= self.stop_rules.done(self.batch) | (self.batch.lengths >= self.length_limit)
             self.device_step()
 
-    def _make_room(self) -> bool:
-        """Whether the planned step's forwards fit every static cache without compacting, as a captured step must.
-        A cache that might run short compacts first, here, between steps (`StaticCacheView.make_room`: a host read
-        of its true offset, and a compaction only when that is short too), so the step still replays. Before, the
-        whole step ran eagerly to compact inside its first forward: on an H200, the last 3 of 25 steps of an 8B
-        target at B = 16 took 62-127 ms each against 15 ms replayed, a third of the call."""
-        graph = self.step_graph
-        if graph is None:
-            return False
+    def _make_room(self) -> None:
+        """Room in every static cache for the planned step's forwards, which a captured step cannot make itself: a
+        cache that might run short reads its true offset and compacts only if that is short too
+        (`StaticCacheView.make_room`), here, between steps, so the step still replays. Before, the whole step ran
+        eagerly to compact inside its first forward: on an H200, the last 3 of 25 steps of an 8B target at B = 16
+        took 62-127 ms each against 15 ms replayed, a third of the call."""
         for view in self.static.views:
-            room = max(graph.host_change(view, "offset_bound"), 2 * (self.k + 1), 2 * self.block)
+            room = max(self.step_graph.host_change(view, "offset_bound"), 2 * (self.k + 1), 2 * self.block)
             if view.offset_bound + room > view.max_columns:
                 view.make_room(room)
-        return True
 
     def device_step(self) -> None:
         """One step's device work: propose → verify → accept → commit → roll back (no host read on static caches)."""

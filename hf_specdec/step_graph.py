@@ -180,13 +180,14 @@ class StepGraph:
         #: key is never captured; not a warm-up, a capture or an eager step that compacted a cache
         self.steady = True
 
-    def run(self, key: Hashable | None, fits: bool) -> None:
-        """One step: replayed when its key's graph is captured and `fits` (no cache needs compacting), else eager."""
+    def run(self, key: Hashable | None) -> None:
+        """One step: replayed when its key's graph is captured, else eager. The caller has made room in every static
+        cache for the step's forwards (`SpeculativeLoop._make_room`): a replay cannot compact one."""
         if not self.reuse_tried and key is not None and self.capture:
             self._reuse()
-        if key is None or not self.capture or key in self.refused or not fits:
+        if key is None or not self.capture or key in self.refused:
             self._eager(key)
-            self.steady = fits
+            self.steady = True
             return
         captured = self.graphs.get(key)
         self.steady = captured is not None

@@ -31,9 +31,9 @@ def replays(monkeypatch) -> list:
     seen: list = []
     run = StepGraph.run
 
-    def counting(self, key, fits):  # noqa: ANN001, ANN202
+    def counting(self, key):  # noqa: ANN001, ANN202
         before = self.replays
-        run(self, key, fits)
+        run(self, key)
         if self.replays > before:
             seen.append(key)
 
