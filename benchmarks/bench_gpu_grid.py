@@ -15,8 +15,9 @@ in one process: a warm-up round (every arm's first call at these shapes, timed: 
 output; compiled plain runs twice, its second call compiles again), then `--rounds` rounds (3), each timing compiled
 plain and then every arm once; ratios are per round against that round's compiled plain, reported as min and
 median, with each timed call's garbage-collector pauses (`gc_pause_ms`: one collection once paused a 312 ms call
-for 312 ms; another, a 0.85 s call for 1.5 s, so the warm-up's garbage is collected before the timed rounds). Plain eager is timed once (its first call at the shapes) unless `--eager-rounds` asks for more (it is
-the costliest arm: 30 ms a token at 8B). Arms: hf_specdec with no flags through `custom_generate` with a fresh
+for 312 ms; another, a 0.85 s call for 1.5 s, so the warm-up's garbage is collected before the timed rounds).
+Plain eager is timed once (its first call at the shapes) unless `--eager-rounds` asks for more (it is the costliest
+arm: 30 ms a token at 8B). Arms: hf_specdec with no flags through `custom_generate` with a fresh
 `SpecDecoder(draft_model=draft)` per call; at a few points the same through `hf_specdec.install()` and
 `assistant_model=draft` (no other flag); at one a fresh draft object every call. Library state is never reset
 between rounds or groups (what users get); each alpha is its own draft object. S* per point comes from forward costs

@@ -41,10 +41,6 @@ class CompiledPlain:
         cache.reset()  # zeroes in place: the addresses stay
         return self.model.generate(**kwargs, **{compat.CACHE_ARGUMENT: cache})
 
-    def release(self) -> None:
-        """Drop the kept caches (the model changes)."""
-        self.caches.clear()
-
 
 def flag_call(model: PreTrainedModel, **kwargs: Any) -> torch.Tensor:
     """Compiled plain as `cache_implementation="static"` makes it: a new cache per call."""

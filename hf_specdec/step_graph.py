@@ -177,7 +177,7 @@ class StepGraph:
         self.capture_time_s = 0.0
         self.replays = 0
         #: whether the latest step took what such a step takes from now on: a replay, or an eager step where this
-        #: key is never captured; not a warm-up, a capture or an eager step that compacted a cache
+        #: key is never captured; not a warm-up or a capture
         self.steady = True
 
     def run(self, key: Hashable | None) -> None:
