@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from hf_specdec import first_shapes, graph_reuse
+from hf_specdec import first_shapes, fused_layers, graph_reuse
 from hf_specdec.batch import RaggedBatch
 from hf_specdec.cache import CacheView
 from hf_specdec.compat import experts_implementation
@@ -157,8 +157,9 @@ class SpeculativeLoop:
                 # adopted only by calls whose models are the same in every respect (`model_guard`).
                 guard = ModelGuard(graph_reuse.driven_models(self, model)) if signature is not None else None
                 hint = lambda: capture_hint([view.model for view in static.views])  # noqa: E731 - views exist by then
+                swaps = fused_layers.swaps(graph_reuse.driven_models(self, model)) if fused_layers.enabled() else []
                 self.step_graph = StepGraph(
-                    self, self.device_steps, description, static.capture_steps, model, signature, hint, guard
+                    self, self.device_steps, description, static.capture_steps, model, signature, hint, guard, swaps
                 )
         #: steps in which no row drafts run as `plain_step`: dynamic caches, with nothing that reads each position
         #: (the exact path's processors and criteria, output scores or logits, `on_step`)
@@ -245,6 +246,7 @@ class SpeculativeLoop:
             stops.stop_strings_key(),
             settings(self.proposer), settings(inner), models, type(self.budgets.schedule).__name__,
             os.environ.get(SAMPLER_ENV, ""),  # Triton or torch draws and sampler
+            fused_layers.enabled(),  # fused kernels in the graphs, or the eager layers' own
         )  # fmt: skip
 
     def live(self) -> bool:

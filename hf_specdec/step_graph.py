@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_specdec import graph_reuse
+from hf_specdec import fused_layers, graph_reuse
 from hf_specdec.locks import CAPTURE_LOCK
 from hf_specdec.model_guard import ModelGuard
 
@@ -156,8 +156,11 @@ class StepGraph:
         signature: Hashable | None = None,
         hint: Callable[[], str] | None = None,
         guard: ModelGuard | None = None,
+        fused: list | None = None,
     ) -> None:
         self.root = root
+        #: `fused_layers.swaps`: fused kernels in place of eager layer code while steps are captured (and warmed up)
+        self.fused = fused or []
         self.hint = hint  # what the user can change when a capture is refused ("" when nothing)
         self.model = model  # graphs are kept across calls per model and `signature` (`hf_specdec.graph_reuse`)
         self.device = getattr(getattr(root, "batch", None), "device", torch.device("cuda"))
@@ -267,8 +270,13 @@ class StepGraph:
             (d for c in self.graphs.values() for o, n, d in c.host_deltas if o is owner and n == name), default=0
         )
 
+    def _steps(self) -> contextlib.AbstractContextManager:
+        """What a step runs under when it may be captured: the fused kernels (`fused_layers`); no swap otherwise."""
+        return fused_layers.fused(self.fused) if self.capture and self.fused else contextlib.nullcontext()
+
     def _eager(self, key: Hashable | None) -> None:
-        self.step()
+        with self._steps():
+            self.step()
         self.eager_steps[key] = self.eager_steps.get(key, 0) + 1
         self._rehome()  # an eager step replaces tensors too
 
@@ -288,7 +296,7 @@ class StepGraph:
         graph = GRAPHS.new()
         try:
             # One capture at a time; other threads' work goes on meanwhile and stays out of the graph (`locks`).
-            with CAPTURE_LOCK, no_garbage_collection(), GRAPHS.capture(graph):
+            with CAPTURE_LOCK, no_garbage_collection(), self._steps(), GRAPHS.capture(graph):
                 self.step()
                 rebinds = self._copy_back(tensors_before)
             host_deltas = self._host_deltas(owners, hosts_before)
