@@ -46,13 +46,16 @@ static path that a GPU takes, with CUDA graphs emulated).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
+import os
 import platform
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +65,7 @@ import transformers
 import hf_specdec
 from benchmarks import grid_models as gm
 from benchmarks.compiled_plain import CompiledPlain, flag_call
-from hf_specdec import routing
+from hf_specdec import fused_layers, routing
 
 K = 5  # SpecDecoder's default num_speculative_tokens: hf_specdec runs with no flag
 SAMPLING = dict(temperature=0.8, top_p=0.9, top_k=0)
@@ -75,7 +78,8 @@ class Arm:
     draft: str  # grid_models.DRAFTS key
     alpha: float
     route: str = "custom"  # custom_generate + SpecDecoder; "install": install() + assistant_model=; "fresh": a new
-    #: draft object every call (nothing learned or kept for it), through custom_generate
+    #: draft object every call (nothing learned or kept for it), through custom_generate; "unfused": custom_generate
+    #: with HF_SPECDEC_FUSED=0 (the eager layers' own kernels in the captured steps: `--unfused`)
 
     @property
     def name(self) -> str:
@@ -221,9 +225,30 @@ def arm_call(models: Models, arm: Arm, inputs: dict, gen: dict, spy: InstallSpy)
             out = models.target.generate(**inputs, **gen, assistant_model=draft)
             return out, spy.specs[-1] if spy.specs else None
         spec = hf_specdec.SpecDecoder(draft_model=draft)
-        return models.target.generate(**inputs, **gen, custom_generate=hf_specdec.generate, spec_decoder=spec), spec
+        with unfused(arm.route == "unfused"):
+            out = models.target.generate(**inputs, **gen, custom_generate=hf_specdec.generate, spec_decoder=spec)
+        return out, spec
 
     return call
+
+
+@contextlib.contextmanager
+def unfused(on: bool) -> Iterator[None]:
+    """`HF_SPECDEC_FUSED=0` inside the block when `on` (read per call: its graphs are kept apart)."""
+    if not on:
+        yield
+        return
+    os.environ[fused_layers.FUSED_ENV] = "0"
+    try:
+        yield
+    finally:
+        del os.environ[fused_layers.FUSED_ENV]
+
+
+def with_unfused_twins(groups: list[Group]) -> list[Group]:
+    """Each group with an "unfused" twin of every custom_generate arm (`--unfused`)."""
+    twins = lambda g: tuple(Arm(a.draft, a.alpha, "unfused") for a in g.arms if a.route == "custom")  # noqa: E731
+    return [replace(g, arms=g.arms + twins(g)) for g in groups]
 
 
 def forward_costs(models: Models, group: Group) -> dict[str, Any]:
@@ -419,6 +444,8 @@ def main() -> None:
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU: the whole grid's logic")
     parser.add_argument("--plot", metavar="PNG", default=None, help="plot the JSONs given as `out`")
     parser.add_argument("--profile", metavar="POINT", default=None, help="profile one point (an id printed by a run)")
+    parser.add_argument("--unfused", action="store_true",
+                        help="also run each custom_generate arm with HF_SPECDEC_FUSED=0 (side by side)")
     parser.add_argument("--spread", type=int, default=0, metavar="N", help="with --profile: N fresh calls, each timed")
     parser.add_argument("--estimate", action="store_true", help="print the estimated H100 seconds per group")
     parser.add_argument(
@@ -462,7 +489,8 @@ def main() -> None:
     else:
         result = {"meta": meta(args) | ({"emulated_graphs": emulated} if args.dry_run else {}), "groups": []}
         models = Models()
-        for group in selected(args.part, args.groups):
+        groups = selected(args.part, args.groups)
+        for group in with_unfused_twins(groups) if args.unfused else groups:
             result["groups"].append(run_group(models, group, args.rounds, args.eager_rounds, spy,
                                               fresh_compile=not args.shared_compile,
                                               flag_baseline=args.flag_baseline))  # fmt: skip
