@@ -444,8 +444,11 @@ def main() -> None:
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU: the whole grid's logic")
     parser.add_argument("--plot", metavar="PNG", default=None, help="plot the JSONs given as `out`")
     parser.add_argument("--profile", metavar="POINT", default=None, help="profile one point (an id printed by a run)")
-    parser.add_argument("--unfused", action="store_true",
-                        help="also run each custom_generate arm with HF_SPECDEC_FUSED=0 (side by side)")
+    parser.add_argument(
+        "--unfused",
+        action="store_true",
+        help="also run each custom_generate arm with HF_SPECDEC_FUSED=0 (side by side)",
+    )
     parser.add_argument("--spread", type=int, default=0, metavar="N", help="with --profile: N fresh calls, each timed")
     parser.add_argument("--estimate", action="store_true", help="print the estimated H100 seconds per group")
     parser.add_argument(

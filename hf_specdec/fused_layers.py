@@ -96,16 +96,23 @@ def _runs_kernels(*tensors: torch.Tensor) -> bool:
     """Whether the kernels apply to these tensors here: plain tensors on a GPU (or in Triton's CPU interpreter), bf16
     or fp16, with autograd off (the kernels have no backward), and not while `torch.compile` traces (it fuses on its
     own)."""
-    from hf_specdec.sampling.kernels import triton_interprets
-
     first = tensors[0]
     if first.dtype not in _DTYPES or torch.compiler.is_compiling() or torch.is_grad_enabled():
         return False
     if any(type(t) not in (torch.Tensor, torch.nn.Parameter) for t in tensors):  # a DTensor, a quantised weight
         return False
-    if first.device.type != "cuda" and not (first.device.type == "cpu" and triton_interprets()):
+    if first.device.type not in ("cuda", "cpu") or not _triton_runs_on(first.device.type):
         return False
     return all(t.dtype == first.dtype and t.device == first.device for t in tensors)
+
+
+def _triton_runs_on(device_type: str) -> bool:
+    """Whether Triton is installed and runs kernels on this kind of device (the CPU: only in its interpreter)."""
+    try:
+        from hf_specdec.sampling.kernels import triton_interprets
+    except ImportError:  # triton is not a dependency
+        return False
+    return device_type == "cuda" or triton_interprets()
 
 
 def _fused_rms_norm(original: Callable) -> Callable:
