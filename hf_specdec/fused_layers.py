@@ -93,8 +93,8 @@ def _is(function: object, name: str) -> bool:
 
 
 def _runs_kernels(*tensors: torch.Tensor) -> bool:
-    """Whether the kernels apply to these tensors here: plain tensors on a GPU (or in Triton's CPU interpreter), bf16
-    or fp16, with autograd off (the kernels have no backward), and not while `torch.compile` traces (it fuses on its
+    """Whether the kernels apply to these tensors here: plain tensors on a GPU (or in Triton's CPU interpreter, fp16
+    only), bf16 or fp16, with autograd off (the kernels have no backward), and not while `torch.compile` traces (it fuses on its
     own)."""
     first = tensors[0]
     if first.dtype not in _DTYPES or torch.compiler.is_compiling() or torch.is_grad_enabled():
@@ -102,6 +102,8 @@ def _runs_kernels(*tensors: torch.Tensor) -> bool:
     if any(type(t) not in (torch.Tensor, torch.nn.Parameter) for t in tensors):  # a DTensor, a quantised weight
         return False
     if first.device.type not in ("cuda", "cpu") or not _triton_runs_on(first.device.type):
+        return False
+    if first.device.type == "cpu" and first.dtype != torch.float16:  # the interpreter does not round bf16 as a GPU
         return False
     return all(t.dtype == first.dtype and t.device == first.device for t in tensors)
 
