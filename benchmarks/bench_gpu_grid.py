@@ -39,6 +39,9 @@ to 2.3 times as long):
     PYTHONPATH=. python benchmarks/bench_gpu_grid.py --part b grid_b.json   # Qwen3-8B, 1.7B, 4B; Llama-3B
     python benchmarks/bench_gpu_grid.py --plot docs/grid_h100.png grid_a.json grid_c.json grid_b.json
     PYTHONPATH=. python benchmarks/bench_gpu_grid.py --profile 'q8-p1k-n256/d28@0.7' profile.json
+`--unfused` adds to each group a twin of every `custom_generate` arm run with `HF_SPECDEC_FUSED=0` (the eager layers'
+kernels in the captured steps, `hf_specdec.fused_layers`), interleaved; more than four draft settings on one target
+overflow its kept graphs (`graph_reuse.MAX_ENTRIES`), so use it on groups with at most two arms.
 `--dry-run` runs all of it on the CPU with tiny shapes (and, where tests/emulated_graphs.py is present, the captured
 static path that a GPU takes, with CUDA graphs emulated).
 """
