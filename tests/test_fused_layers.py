@@ -157,6 +157,30 @@ def test_rotary_kernel_equals_the_eager_chain_in_fp16(batch_cos: bool, kernel_ca
     assert kernel_calls.count > 0  # the kernels ran, not the original code
 
 
+@interpreted
+@torch.no_grad()
+def test_what_the_kernels_do_not_handle_runs_the_original_code(kernel_calls: KernelCalls) -> None:
+    """fp32 (a chain the kernels could contract differently), bf16 in the interpreter, autograd, a non-contiguous
+    input and a cos of another dtype: the original code, no kernel."""
+    fused_norm = fused_layers._fused_rms_norm(modeling_llama.LlamaRMSNorm.forward)
+    for dtype in (torch.float32, torch.bfloat16):
+        norm = _norm(16, dtype, "cpu")
+        x = torch.randn(2, 3, 16).to(dtype)
+        assert torch.equal(fused_norm(norm, x), norm(x))
+    norm = _norm(16, torch.float16, "cpu")
+    x = torch.randn(3, 2, 16).to(torch.float16).transpose(0, 1)  # not contiguous
+    assert torch.equal(fused_norm(norm, x), norm(x))
+    with torch.enable_grad():
+        x = torch.randn(2, 3, 16).to(torch.float16)
+        assert torch.equal(fused_norm(norm, x), norm(x))
+    q = torch.randn(1, 2, 3, 8).to(torch.float16)
+    cos = torch.randn(1, 3, 8)  # fp32 against fp16 q and k: promoted in the eager chain
+    fused_rope = fused_layers._fused_rotary(modeling_llama.apply_rotary_pos_emb)
+    for got, expected in zip(fused_rope(q, q, cos, cos), modeling_llama.apply_rotary_pos_emb(q, q, cos, cos)):
+        assert torch.equal(got, expected)
+    assert kernel_calls.count == 0
+
+
 @in_subprocess
 def test_fused_kernels_in_subprocess() -> None:
     rerun_interpreted(__file__, timeout=600)
