@@ -1,7 +1,7 @@
 """Triton kernels that do what a chain of eager elementwise kernels does, to the bit, in fewer launches.
 
-A captured step replays the models' eager forwards, where RMSNorm and rotary embeddings run as 7 and 10 small
-kernels a layer; compiled plain fuses them (and rounds differently). These kernels round exactly where the eager
+A captured step replays the models' eager forwards, where an RMSNorm runs as 7 small kernels and a layer's rotary
+embeddings as 10; compiled plain fuses them (and rounds differently). These kernels round exactly where the eager
 chain rounds: each bf16/fp16 intermediate is rounded to nearest-even and read back, fp32 intermediates are kept, no
 multiply-add is contracted (`enable_fp_fusion=False`), and a reduction is left to torch (its summation order is
 its own): so their outputs equal the eager chain's bit for bit (`fused_layers` says which chains, and checks the
