@@ -155,9 +155,11 @@ class SpeculativeLoop:
                 signature = self._graph_signature() if graph_reuse.enabled() else None
                 # What the models' forwards can see now, before the proposer attaches its hooks: kept graphs are
                 # adopted only by calls whose models are the same in every respect (`model_guard`).
-                guard = ModelGuard(graph_reuse.driven_models(self, model)) if signature is not None else None
+                models = graph_reuse.driven_models(self, model)
+                guard = ModelGuard(models) if signature is not None else None
                 hint = lambda: capture_hint([view.model for view in static.views])  # noqa: E731 - views exist by then
-                swaps = fused_layers.swaps(graph_reuse.driven_models(self, model)) if fused_layers.enabled() else []
+                # fused kernels while steps are captured (`fused_layers`): found only where a capture can happen
+                swaps = fused_layers.swaps(models) if static.capture_steps and fused_layers.enabled() else []
                 self.step_graph = StepGraph(
                     self, self.device_steps, description, static.capture_steps, model, signature, hint, guard, swaps
                 )

@@ -12,8 +12,9 @@ module whose `apply_rotary_pos_emb` and `rotate_half`, has the same syntax tree 
 (Llama's, which Mistral, Qwen2, Qwen3 and others copy). Anything else (Gemma's `1 + weight`, partial rotary, a
 subclass that changed `forward`) keeps its own code. A swapped function runs the original wherever the kernels do
 not apply: tensors off the GPU, dtypes other than bf16 and fp16 (fp32 chains could be contracted differently),
-other layouts, tensor subclasses, autograd, or inside `torch.compile`'s tracing. The swap is process-wide while any call is inside `fused` (other
-threads' forwards then run the same bits through the kernels); `HF_SPECDEC_FUSED=0` turns it off.
+other layouts, tensor subclasses, autograd, or inside `torch.compile`'s tracing. The swap is process-wide while any
+call is inside `fused` (other threads' forwards then run the same bits through the kernels); `HF_SPECDEC_FUSED=0`
+turns it off.
 """
 
 from __future__ import annotations
@@ -94,8 +95,8 @@ def _is(function: object, name: str) -> bool:
 
 def _runs_kernels(*tensors: torch.Tensor) -> bool:
     """Whether the kernels apply to these tensors here: plain tensors on a GPU (or in Triton's CPU interpreter, fp16
-    only), bf16 or fp16, with autograd off (the kernels have no backward), and not while `torch.compile` traces (it fuses on its
-    own)."""
+    only), bf16 or fp16, with autograd off (the kernels have no backward), and not while `torch.compile` traces (it
+    fuses on its own)."""
     first = tensors[0]
     if first.dtype not in _DTYPES or torch.compiler.is_compiling() or torch.is_grad_enabled():
         return False
@@ -121,7 +122,7 @@ def _fused_rms_norm(original: Callable) -> Callable:
     def forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
         weight = self.weight
         if not (
-            isinstance(hidden_states, torch.Tensor) and isinstance(weight, torch.Tensor) and _runs_kernels(hidden_states)
+            isinstance(hidden_states, torch.Tensor) and _runs_kernels(hidden_states)
             and type(weight) in (torch.Tensor, torch.nn.Parameter)
             and hidden_states.is_contiguous() and hidden_states.dim() >= 1 and hidden_states.numel() > 0
             and weight.device == hidden_states.device and weight.dtype in (*_DTYPES, torch.float32)
@@ -183,20 +184,17 @@ def swaps(models: list[torch.nn.Module]) -> list[tuple[Any, str, Callable]]:
     """(owner, attribute, fused replacement) for every RMSNorm class and modeling module in `models` whose code is
     the reference code: what `fused` swaps in."""
     found: dict[tuple[int, str], tuple[Any, str, Callable]] = {}
-    for model in models:
-        for module in model.modules():
-            cls = type(module)
-            forward = getattr(cls.__dict__.get("forward"), "_hf_specdec_original", cls.__dict__.get("forward"))
-            if forward is not None and (id(cls), "forward") not in found and _is(forward, "rms_norm"):
-                found[(id(cls), "forward")] = (cls, "forward", _fused_rms_norm(forward))
-            home = sys.modules.get(cls.__module__)
-            rope = getattr(home, "apply_rotary_pos_emb", None)
-            rope = getattr(rope, "_hf_specdec_original", rope)  # swapped in by another call's block: its original
-            if (
-                rope is not None and (id(home), "apply_rotary_pos_emb") not in found
-                and _is(rope, "rotary") and _is(getattr(home, "rotate_half", None), "rotate_half")
-            ):  # fmt: skip
-                found[(id(home), "apply_rotary_pos_emb")] = (home, "apply_rotary_pos_emb", _fused_rotary(rope))
+    classes = {type(module) for model in models for module in model.modules()}  # each class and its module once
+    for cls in classes:
+        forward = cls.__dict__.get("forward")
+        forward = getattr(forward, "_hf_specdec_original", forward)  # swapped in by another call's block: its original
+        if forward is not None and _is(forward, "rms_norm"):
+            found[(id(cls), "forward")] = (cls, "forward", _fused_rms_norm(forward))
+    for home in {sys.modules.get(cls.__module__) for cls in classes}:
+        rope = getattr(home, "apply_rotary_pos_emb", None)
+        rope = getattr(rope, "_hf_specdec_original", rope)
+        if rope is not None and _is(rope, "rotary") and _is(getattr(home, "rotate_half", None), "rotate_half"):
+            found[(id(home), "apply_rotary_pos_emb")] = (home, "apply_rotary_pos_emb", _fused_rotary(rope))
     return list(found.values())
 
 

@@ -271,8 +271,8 @@ class StepGraph:
         )
 
     def _steps(self) -> contextlib.AbstractContextManager:
-        """What a step runs under when it may be captured: the fused kernels (`fused_layers`); no swap otherwise."""
-        return fused_layers.fused(self.fused) if self.capture and self.fused else contextlib.nullcontext()
+        """What a step runs under: the fused kernels (`fused_layers`) when the call may capture (it then passed them)."""
+        return fused_layers.fused(self.fused) if self.fused else contextlib.nullcontext()
 
     def _eager(self, key: Hashable | None) -> None:
         with self._steps():
